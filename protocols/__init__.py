@@ -1,0 +1,61 @@
+"""Every yatt wire message and the one codec that puts them on ZeroMQ frames.
+
+Nothing outside this package defines a message. ``encode(msg)`` gives multipart frames,
+``decode(frames)`` gives the message back or raises ``ProtocolError``.
+"""
+
+from protocols.codec import DEFAULT_MAX_FRAME_BYTES, decode, encode
+from protocols.messages import (
+    MESSAGE_TYPES,
+    Ack,
+    Completion,
+    Completions,
+    Deregister,
+    Error,
+    GenerateRequest,
+    GroupKey,
+    Heartbeat,
+    Membership,
+    Message,
+    MicroBatch,
+    MicroBatchRequest,
+    PolicyVersion,
+    Query,
+    Register,
+    SamplingParams,
+    ScoredGroup,
+    ScoreRequest,
+    Scores,
+    Shutdown,
+    WeightUpdate,
+    WorkerInfo,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "MESSAGE_TYPES",
+    "Ack",
+    "Completion",
+    "Completions",
+    "Deregister",
+    "Error",
+    "GenerateRequest",
+    "GroupKey",
+    "Heartbeat",
+    "Membership",
+    "Message",
+    "MicroBatch",
+    "MicroBatchRequest",
+    "PolicyVersion",
+    "Query",
+    "Register",
+    "SamplingParams",
+    "ScoreRequest",
+    "ScoredGroup",
+    "Scores",
+    "Shutdown",
+    "WeightUpdate",
+    "WorkerInfo",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,328 @@
+"""Every message that crosses a process boundary in yatt, and nothing else.
+
+Each message is a frozen, keyword-only dataclass with a wire ``KIND`` (one byte string,
+the first ZeroMQ frame) and a ``SCHEMA_VERSION`` (bumped on any incompatible change; a
+receiver rejects a version it does not know). Field types are limited to what the codec
+validates: ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``torch.Tensor``, nested
+dataclasses from this module, ``list[...]``, ``dict[str, ...]`` and ``... | None``.
+
+Tensors travel out of band as their own frames (see ``protocols.codec``); the comments
+give their shapes and dtypes.
+
+The loop, in messages::
+
+    controller --GenerateRequest--> generator --Completions--> controller
+    controller --ScoreRequest-----> reward    --Scores-------> controller
+    controller --ScoredGroup------> buffer    --Ack----------> controller
+    trainer    --MicroBatchRequest> buffer    --MicroBatch---> trainer
+    trainer    --WeightUpdate-----> generator --Ack----------> trainer
+    every actor --Register/Heartbeat--> registry --Membership--> subscribers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every wire message."""
+
+    KIND: ClassVar[bytes] = b""
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+
+# ---------------------------------------------------------------- shared value types
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupKey:
+    """The stable identity of one prompt's group of samples.
+
+    Retries and controller restarts reuse the key (``attempt`` counts re-generations
+    after a filter rejected the group), so the buffer's ledger can keep exactly-once.
+    """
+
+    epoch: int
+    shard: int
+    prompt_index: int  # index into the epoch's shuffled order of the whole dataset
+    attempt: int = 0
+
+    def as_str(self) -> str:
+        return f"e{self.epoch}/s{self.shard}/p{self.prompt_index}/a{self.attempt}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample; the fields follow vLLM's ``SamplingParams`` names."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    token_ids: Tensor  # [L] int32, the generated tokens only
+    logprobs: Tensor  # [L] float32, log p(token) under the generating policy
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    policy_version_min: int  # oldest policy version that produced any token of it
+    policy_version_max: int  # newest one (differs only if weights changed mid-sample)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """One member of the service directory."""
+
+    actor_id: str  # unique per process incarnation, e.g. "generator-0@1a2b"
+    role: str  # "generator", "reward", "buffer", "trainer", "controller", ...
+    endpoint: str  # where its ROUTER listens, e.g. "tcp://127.0.0.1:5555"
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest(Message):
+    """Sample ``n`` completions of one prompt (one group)."""
+
+    KIND: ClassVar[bytes] = b"gen.req"
+
+    group_key: GroupKey
+    prompt_ids: Tensor  # [P] int32
+    n: int
+    sampling: SamplingParams
+    min_policy_version: int = 0  # the generator waits until it holds at least this version
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completions(Message):
+    """The group of samples answering a ``GenerateRequest``."""
+
+    KIND: ClassVar[bytes] = b"gen.rep"
+
+    group_key: GroupKey
+    completions: list[Completion]
+
+
+# ---------------------------------------------------------------- reward
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreRequest(Message):
+    """Score every completion of one group."""
+
+    KIND: ClassVar[bytes] = b"score.req"
+
+    group_key: GroupKey
+    prompt_ids: Tensor  # [P] int32
+    completion_ids: list[Tensor]  # n x [L_i] int32
+    finish_reasons: list[str]  # n, "stop" or "length"
+    metadata: dict[str, str] = field(default_factory=dict)  # e.g. {"answer": "42"} for verifiers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scores(Message):
+    """Rewards of one group; a scorer that failed for a sample records why."""
+
+    KIND: ClassVar[bytes] = b"score.rep"
+
+    group_key: GroupKey
+    rewards: Tensor  # [n] float32, the weighted mix
+    components: dict[str, Tensor]  # scorer name -> [n] float32, before weighting
+    failures: list[str]  # n, "" where every scorer succeeded, else the reasons
+
+
+# ---------------------------------------------------------------- buffer and trainer
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoredGroup(Message):
+    """A group ready for training, pushed by a controller into the buffer."""
+
+    KIND: ClassVar[bytes] = b"group"
+
+    group_key: GroupKey
+    prompt_ids: Tensor  # [P] int32
+    completion_ids: list[Tensor]  # n x [L_i] int32
+    rollout_logprobs: list[Tensor]  # n x [L_i] float32, from the generator
+    rewards: Tensor  # [n] float32
+    advantages: Tensor  # [n] float32, per sequence (broadcast over its tokens)
+    policy_versions: Tensor  # [n] int64, oldest version per sample (staleness uses it)
+    finish_reasons: list[str]  # n
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchRequest(Message):
+    """A trainer rank asks for its next micro-batch of ``step``."""
+
+    KIND: ClassVar[bytes] = b"mb.req"
+
+    step: int
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatch(Message):
+    """One micro-batch for one trainer rank, right-padded to its longest sequence.
+
+    Every rank gets ``count`` micro-batches for the step; ``index`` counts from 0. A
+    sample that only pads the batch has an all-zero ``loss_mask``.
+    """
+
+    KIND: ClassVar[bytes] = b"mb"
+
+    step: int
+    rank: int
+    index: int
+    count: int
+    input_ids: Tensor  # [B, T] int64, prompt + completion, right-padded
+    attention_mask: Tensor  # [B, T] bool, True on real tokens
+    loss_mask: Tensor  # [B, T] bool, True on completion tokens that count in the loss
+    rollout_logprobs: Tensor  # [B, T] float32, generator logprobs aligned with input_ids
+    advantages: Tensor  # [B, T] float32
+    policy_versions: Tensor  # [B] int64
+    group_keys: list[GroupKey]  # B, the group of each row
+
+
+# ---------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightUpdate(Message):
+    """One bucket of a versioned weight update, trainer -> generator.
+
+    A generator applies version ``version`` once all ``num_buckets`` buckets have arrived,
+    between engine calls, and then acks it.
+    """
+
+    KIND: ClassVar[bytes] = b"weights"
+
+    version: int
+    bucket_index: int
+    num_buckets: int
+    names: list[str]  # parameter names in Hugging Face naming
+    tensors: list[Tensor]  # full (unsharded) tensors, one per name
+
+
+# ---------------------------------------------------------------- control
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    """An actor joins the service directory (or re-announces itself)."""
+
+    KIND: ClassVar[bytes] = b"reg"
+
+    worker: WorkerInfo
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deregister(Message):
+    """An actor leaves the service directory on purpose."""
+
+    KIND: ClassVar[bytes] = b"dereg"
+
+    actor_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """I am alive. Sent every heartbeat interval to each peer that watches this actor."""
+
+    KIND: ClassVar[bytes] = b"hb"
+
+    actor_id: str
+    seq: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Membership(Message):
+    """The whole service directory at ``epoch`` (it grows by one on every change)."""
+
+    KIND: ClassVar[bytes] = b"members"
+
+    epoch: int
+    workers: list[WorkerInfo]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyVersion(Message):
+    """Broadcast: the trainer published weights of ``version``."""
+
+    KIND: ClassVar[bytes] = b"policy"
+
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Query(Message):
+    """A small typed request with no payload of its own (``what`` names the question)."""
+
+    KIND: ClassVar[bytes] = b"query"
+
+    what: str
+    args: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack(Message):
+    """Accepted. ``seq`` is the stream sequence number or the acknowledged item's number."""
+
+    KIND: ClassVar[bytes] = b"ack"
+
+    seq: int = 0
+    info: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error(Message):
+    """A handler raised, or the request could not be decoded."""
+
+    KIND: ClassVar[bytes] = b"error"
+
+    error_type: str  # the exception's class name
+    message: str
+    traceback: str  # the remote traceback, formatted
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(Message):
+    """Stop serving and exit cleanly."""
+
+    KIND: ClassVar[bytes] = b"shutdown"
+
+    reason: str = ""
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    GenerateRequest,
+    Completions,
+    ScoreRequest,
+    Scores,
+    ScoredGroup,
+    MicroBatchRequest,
+    MicroBatch,
+    WeightUpdate,
+    Register,
+    Deregister,
+    Heartbeat,
+    Membership,
+    PolicyVersion,
+    Query,
+    Ack,
+    Error,
+    Shutdown,
+)

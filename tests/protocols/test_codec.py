@@ -65,7 +65,9 @@ SAMPLES: list[P.Message] = [
         policy_versions=torch.tensor([3], dtype=torch.int64),
         finish_reasons=["stop"],
     ),
-    P.MicroBatchRequest(step=3, rank=1, world_size=2),
+    P.MicroBatchRequest(step=3, rank=1, world_size=2, index=0),
+    P.PlanRequest(shard=1, num_shards=2, after_seq=-1, wait_s=0.5),
+    P.DispatchPlan(plan_seq=4, keys=[KEY], min_policy_version=2, step=2),
     P.MicroBatch(
         step=3,
         rank=1,

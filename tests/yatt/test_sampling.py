@@ -1,0 +1,183 @@
+"""The buffer's decisions: in-order assembly, filtering, over-sampling, staleness,
+exactly-once, balanced micro-batches, and a save/load that continues identically."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocols.messages import GroupKey, ScoredGroup
+from yatt.config import BufferConfig
+from yatt.errors import ConfigError
+from yatt.ledger import Ledger
+from yatt.sampling import SamplingBuffer, epoch_order
+
+N_PROMPTS = 12
+
+
+def make_group(key: GroupKey, version: int, *, n: int = 2, equal: bool | None = None) -> ScoredGroup:
+    """A deterministic group: prompt length and rewards follow from the prompt index."""
+    if equal is None:
+        equal = key.prompt_index % 3 == 0  # every third prompt is filtered (all rewards equal)
+    rewards = torch.ones(n) if equal else torch.tensor([1.0] + [0.0] * (n - 1))
+    p = 2 + key.prompt_index % 3
+    lengths = [1 + (key.prompt_index + i) % 4 for i in range(n)]
+    return ScoredGroup(
+        group_key=key,
+        prompt_ids=torch.full((p,), 7, dtype=torch.int32),
+        completion_ids=[torch.arange(1, L + 1, dtype=torch.int32) for L in lengths],
+        rollout_logprobs=[-torch.arange(1, L + 1, dtype=torch.float32) / 10 for L in lengths],
+        rewards=rewards,
+        advantages=rewards - rewards.mean(),
+        policy_versions=torch.full((n,), version, dtype=torch.int64),
+        finish_reasons=["stop"] * n,
+    )
+
+
+def make_buffer(tmp_path: Path, name: str = "ledger.db", **overrides: object) -> SamplingBuffer:
+    config = BufferConfig(**{"groups_per_step": 4, "group_size": 2, "micro_batches_per_step": 2, **overrides})  # type: ignore[arg-type]
+    return SamplingBuffer(config, num_prompts=N_PROMPTS, num_shards=2, world_size=2, seed=3, ledger=Ledger(tmp_path / name))
+
+
+def drive(buf: SamplingBuffer, steps: int, rng: random.Random | None) -> list[list[str]]:
+    """Play controllers + trainer: generate every planned group (in a shuffled arrival
+    order if ``rng``), train each step once all its micro-batches exist. Returns each
+    step's sample keys."""
+    trained: list[list[str]] = []
+    while len(trained) < steps:
+        step = buf.step if not buf.ready else min(s for s, _ in buf.ready)
+        waves = [buf.ready.get((step, i)) for i in range(buf.config.micro_batches_per_step)]
+        if all(w is not None for w in waves):
+            keys = [k.as_str() for w in waves for mb in w or [] for k in mb.group_keys]
+            trained.append(keys)
+            for i in range(buf.config.micro_batches_per_step):
+                buf.release(step, i)
+            buf.publish_version(step + 1)
+            continue
+        planned = [k for shard in range(buf.num_shards) for k in buf.plan(shard)]
+        assert planned, "the buffer must ask for work while a step is incomplete"
+        if rng is not None:
+            rng.shuffle(planned)
+        for key in planned:
+            buf.offer(make_group(key, max(buf.min_policy_version, buf.version)))
+    return trained
+
+
+def test_epoch_order_is_seeded() -> None:
+    assert epoch_order(10, 1, 0) == epoch_order(10, 1, 0)
+    assert epoch_order(10, 1, 0) != epoch_order(10, 1, 1)
+    assert sorted(epoch_order(10, 1, 5)) == list(range(10))
+
+
+def test_steps_do_not_depend_on_arrival_order(tmp_path: Path) -> None:
+    in_order = drive(make_buffer(tmp_path, "a.db"), 6, None)
+    shuffled = drive(make_buffer(tmp_path, "b.db"), 6, random.Random(0))
+    assert in_order == shuffled
+    # Each step trains groups_per_step groups of group_size samples.
+    assert all(len(keys) == 8 for keys in in_order)
+
+
+def test_filter_and_ledger_exactly_once(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    drive(buf, 5, random.Random(1))
+    accepted = [e.key for e in buf.ledger.entries("accepted")]
+    assert len(accepted) == len(set(accepted)), "a key was accepted twice"
+    filtered = buf.ledger.entries("filtered")
+    assert filtered and all(e.reason == "all rewards equal" and e.key.prompt_index % 3 == 0 for e in filtered)
+    trained = buf.ledger.entries("trained")
+    assert {e.key for e in trained} <= set(accepted)
+    assert [e.step for e in trained] == sorted(e.step or 0 for e in trained)
+    # Every prompt of the first epoch was decided: trained, filtered, or superseded and redone.
+    first_epoch = {e.key.prompt_index for e in buf.ledger.entries() if e.key.epoch == 0 and e.status in ("trained", "filtered")}
+    assert first_epoch == set(range(N_PROMPTS))
+
+
+def test_duplicates_and_superseded_arrivals_are_dropped(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    key = buf.plan(0)[0]
+    assert buf.offer(make_group(key, 0)) in ("accepted", "filtered: all rewards equal")
+    assert buf.offer(make_group(key, 0)) == "duplicate"
+    other = buf.plan(1)[0]
+    old_attempt = GroupKey(epoch=other.epoch, shard=other.shard, prompt_index=other.prompt_index, attempt=5)
+    assert buf.offer(make_group(old_attempt, 0)) == "superseded"
+    assert [e.status for e in buf.ledger.entries()][-2:] == ["duplicate", "superseded"]
+    assert buf.stats.duplicates == 1 and buf.stats.superseded == 1
+
+
+def test_on_policy_closes_the_window_and_supersedes_extras(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, filter="none")
+    keys = [k for s in (0, 1) for k in buf.plan(s)]
+    assert len(keys) == 4  # acceptance 1: exactly one step's worth, nothing more
+    for k in keys:
+        buf.offer(make_group(k, 0))
+    assert buf.step == 1 and buf.plan(0) == [] and buf.plan(1) == []  # waits for version 1
+    buf.publish_version(1)
+    assert len([k for s in (0, 1) for k in buf.plan(s)]) == 4
+
+
+def test_oversampling_follows_acceptance(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_oversample=3.0)
+    # Reject everything in order: the EMA falls and the window widens, up to the cap.
+    for _ in range(3):
+        for k in [k for s in (0, 1) for k in buf.plan(s)]:
+            buf.offer(make_group(k, 0, equal=True))
+    assert buf.ema < 0.5
+    assert buf.dispatch_end - buf.cursor == 12  # ceil(4 needed * min(3, 1/ema))
+
+
+def test_staleness_bound_drops_and_redispatches(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_staleness=1, filter="none")
+    buf.publish_version(2)
+    buf.step = 2  # the trainer is at step 2 (as after a resume)
+    key = buf.key_at(buf.cursor)
+    assert buf.offer(make_group(key, 0)) == "accepted"  # accepted on arrival, but 2 - 0 > 1
+    assert [e.key for e in buf.ledger.entries("stale")] == [key]
+    assert buf.stats.stale_dropped == 1
+    assert buf.key_at(buf.cursor).attempt == 1 and buf.plan(key.shard)[0] == buf.key_at(buf.cursor)
+    for k in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(k, 1))
+    assert buf.ready
+    for (step, _), batches in buf.ready.items():
+        for mb in batches:
+            assert all(step - int(v) <= 1 for v in mb.policy_versions)
+
+
+def test_micro_batches_are_balanced_and_aligned(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, filter="none")
+    for k in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(k, 0))
+    a, b = buf.ready[(0, 0)]
+    assert a.input_ids.shape[0] == b.input_ids.shape[0] == 2  # same count per rank
+    assert (a.index, a.count, a.rank, b.rank) == (0, 2, 0, 1)
+    for mb in (a, b):
+        for row in range(mb.input_ids.shape[0]):
+            mask = mb.loss_mask[row]
+            completion = mb.input_ids[row][mask]
+            assert torch.equal(completion, torch.arange(1, len(completion) + 1))
+            assert torch.allclose(mb.rollout_logprobs[row][mask], -completion.float() / 10)
+            assert not (mb.loss_mask[row] & ~mb.attention_mask[row]).any()
+    tokens = [int(mb.attention_mask.sum()) for mb in (a, b)]
+    assert abs(tokens[0] - tokens[1]) <= 4
+
+
+def test_save_and_load_continue_identically(tmp_path: Path) -> None:
+    reference = drive(make_buffer(tmp_path, "ref.db"), 6, None)
+    buf = make_buffer(tmp_path, "run.db")
+    first = drive(buf, 3, None)
+    buf.save(tmp_path / "state.msgpack")
+    buf.ledger.backup_to(tmp_path / "ckpt.db")
+    resumed = make_buffer(tmp_path, "resumed.db")
+    resumed.ledger.restore_from(tmp_path / "ckpt.db")
+    resumed.load(tmp_path / "state.msgpack")
+    assert first + drive(resumed, 3, random.Random(2)) == reference
+    assert len(resumed.ledger.entries("trained")) == len(buf.ledger.entries("trained")) + 3 * 4
+
+
+def test_bad_shapes_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not split evenly over 2 trainer ranks"):
+        make_buffer(tmp_path, groups_per_step=3, micro_batches_per_step=3, group_size=1)
+    with pytest.raises(ConfigError, match="micro_batches_per_step must be >= 1 and divide groups_per_step=4"):
+        BufferConfig(groups_per_step=4, micro_batches_per_step=3)

@@ -1,0 +1,366 @@
+"""The dynamic sampling buffer's decisions, as plain synchronous code (no sockets).
+
+Every epoch visits the prompts in a seeded order; position ``g = epoch * N + p`` is the
+p-th prompt of that epoch's order, and it belongs to shard ``prompt_index % S``.
+Everything this class decides is a function of the decisions *in that order*, never of
+the order in which groups happened to arrive, so a synchronous run is reproducible and a
+resumed run makes the same steps as an uninterrupted one::
+
+    offer(group) ----> filter ----> decided[g]      (accepted | filtered; ledger first)
+                                        |
+    cursor walks g = 0, 1, 2, ... over decided positions (an undecided one blocks it):
+        filtered       -> skipped
+        accepted, stale for the step being assembled -> dropped, re-dispatched (attempt+1)
+        accepted       -> joins the current wave; a full wave becomes one balanced
+                          micro-batch per trainer rank, served at once (streaming)
+    plan(shard)  <---- the undecided positions in [cursor, dispatch_end): over-sampled by
+                       1 / acceptance EMA (capped), and in on-policy mode (max_staleness
+                       0) closed when a step is full until the trainer publishes the next
+                       version; what was dispatched beyond the full step is superseded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+
+from protocols.codec import decode, encode
+from protocols.messages import GroupKey, MicroBatch, ScoredGroup
+from yatt.config import BufferConfig
+from yatt.errors import ConfigError
+from yatt.ledger import Ledger
+
+Filter = Callable[[ScoredGroup], str]
+
+
+def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
+    """The seeded order in which epoch ``epoch`` visits the prompt indices."""
+    return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(num_prompts)]
+
+
+def load_filter(path: str, field: str) -> Filter:
+    """Import ``module:function`` (or ``module.function``) for a custom filter."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{field} = {path!r} cannot be imported ({e}); use 'package.module:function'") from None
+    if not callable(fn):
+        raise ConfigError(f"{field} = {path!r} is not a function")
+    return fn  # type: ignore[no-any-return]
+
+
+_SCALARS = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "plan_seq")
+
+
+def _frames(msg: ScoredGroup | MicroBatch) -> list[bytes]:
+    return [bytes(f) for f in encode(msg)]
+
+
+def _group(frames: list[bytes]) -> ScoredGroup:
+    msg = decode(frames)
+    assert isinstance(msg, ScoredGroup)
+    return msg
+
+
+def _micro(frames: list[bytes]) -> MicroBatch:
+    msg = decode(frames)
+    assert isinstance(msg, MicroBatch)
+    return msg
+
+
+@dataclasses.dataclass(kw_only=True)
+class Stats:
+    """Counters the buffer reports in every step's metrics."""
+
+    accepted: int = 0
+    filtered: dict[str, int] = dataclasses.field(default_factory=dict)
+    stale_dropped: int = 0
+    superseded: int = 0
+    duplicates: int = 0
+    trained_groups: int = 0
+
+
+class SamplingBuffer:
+    """Decides what happens to every group, in the seeded prompt order."""
+
+    def __init__(
+        self, config: BufferConfig, *, num_prompts: int, num_shards: int, world_size: int, seed: int, ledger: Ledger
+    ) -> None:
+        if num_prompts < 1:
+            raise ConfigError(f"the dataset has no prompts (num_prompts={num_prompts})")
+        per_wave = config.groups_per_step // config.micro_batches_per_step * config.group_size
+        if per_wave % world_size:
+            raise ConfigError(
+                f"a micro-batch wave has {per_wave} samples (buffer.groups_per_step / micro_batches_per_step"
+                f" * group_size), which does not split evenly over {world_size} trainer ranks"
+            )
+        self.config = config
+        self.world_size = world_size
+        self.num_prompts = num_prompts
+        self.num_shards = num_shards
+        self.seed = seed
+        self.ledger = ledger
+        self._custom = load_filter(config.custom_filter, "buffer.custom_filter") if config.custom_filter else None
+        self._orders: dict[int, list[int]] = {}
+        self._positions: dict[int, dict[int, int]] = {}
+        self.decided: dict[int, tuple[ScoredGroup, bool]] = {}  # g -> (group, accepted)
+        self.attempts: dict[int, int] = {}  # g -> current attempt number (absent: 0)
+        self.cursor = 0  # first position not yet consumed by an assembled wave
+        self.step = 0  # the step being assembled
+        self.wave_index = 0  # waves of ``step`` already assembled
+        self.wave: list[ScoredGroup] = []  # accepted groups of the wave being filled
+        self.version = 0  # newest policy version published by the trainer
+        self.ema = 1.0  # acceptance rate, measured in prompt order
+        self.dispatch_end = 0  # controllers may generate positions < dispatch_end
+        self.plan_seq = 0  # grows whenever the plan may have changed
+        self.ready: dict[tuple[int, int], list[MicroBatch]] = {}  # (step, wave) -> one per rank
+        self.step_rewards: dict[int, list[float]] = {}  # step -> rewards of every group it consumed
+        self.stats = Stats()
+        self._update_window()
+
+    # ------------------------------------------------------------ positions and keys
+
+    @property
+    def groups_per_wave(self) -> int:
+        return self.config.groups_per_step // self.config.micro_batches_per_step
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            self._orders[epoch] = epoch_order(self.num_prompts, self.seed, epoch)
+            self._positions[epoch] = {idx: p for p, idx in enumerate(self._orders[epoch])}
+        return self._orders[epoch]
+
+    def key_at(self, g: int) -> GroupKey:
+        epoch, p = divmod(g, self.num_prompts)
+        index = self._order(epoch)[p]
+        return GroupKey(epoch=epoch, shard=index % self.num_shards, prompt_index=index, attempt=self.attempts.get(g, 0))
+
+    def position(self, key: GroupKey) -> int:
+        self._order(key.epoch)
+        p = self._positions[key.epoch].get(key.prompt_index)
+        if p is None:
+            raise ValueError(f"prompt index {key.prompt_index} is not in the dataset of {self.num_prompts} prompts")
+        return key.epoch * self.num_prompts + p
+
+    # ------------------------------------------------------------ controllers' side
+
+    def offer(self, group: ScoredGroup) -> str:
+        """Take one scored group; returns the decision ("accepted", "filtered: ...", ...)."""
+        key = group.group_key
+        g = self.position(key)
+        if g < self.cursor or g in self.decided:
+            self.stats.duplicates += 1
+            self.ledger.record(key, "duplicate", "already decided")
+            return "duplicate"
+        if key.attempt != self.attempts.get(g, 0):
+            self.stats.superseded += 1
+            self.ledger.record(key, "superseded", f"attempt {self.attempts.get(g, 0)} is current")
+            return "superseded"
+        if len(group.completion_ids) != self.config.group_size:
+            raise ValueError(
+                f"group {key.as_str()} has {len(group.completion_ids)} samples; "
+                f"buffer.group_size is {self.config.group_size}"
+            )
+        reason = self._filter_reason(group)
+        version = int(group.policy_versions.min())
+        if reason:
+            self.ledger.record(key, "filtered", reason, policy_version=version)
+            self.stats.filtered[reason] = self.stats.filtered.get(reason, 0) + 1
+        else:
+            self.ledger.record(key, "accepted", policy_version=version)
+            self.stats.accepted += 1
+        self.decided[g] = (group, not reason)
+        self._advance()
+        return "accepted" if not reason else f"filtered: {reason}"
+
+    def _filter_reason(self, group: ScoredGroup) -> str:
+        if self.config.filter == "all_equal" and bool((group.rewards == group.rewards[0]).all()):
+            return "all rewards equal"
+        if self.config.max_completion_tokens and max(len(c) for c in group.completion_ids) > self.config.max_completion_tokens:
+            return "too long"
+        if self._custom is not None:
+            return str(self._custom(group))
+        return ""
+
+    def plan(self, shard: int) -> list[GroupKey]:
+        """The undecided groups of ``shard`` that should be in flight now, in order."""
+        return [
+            key
+            for g in range(self.cursor, self.dispatch_end)
+            if g not in self.decided and (key := self.key_at(g)).shard == shard
+        ]
+
+    @property
+    def min_policy_version(self) -> int:
+        """The oldest policy version a group generated now may still train with."""
+        return max(0, self.step - self.config.max_staleness)
+
+    # ------------------------------------------------------------ trainer's side
+
+    def publish_version(self, version: int) -> None:
+        """The trainer published weights of ``version`` (after step version - 1)."""
+        if version > self.version:
+            self.version = version
+            self._advance()
+
+    def take(self, step: int, index: int, rank: int) -> MicroBatch | None:
+        """Rank ``rank``'s micro-batch ``index`` of ``step``, or None if not assembled yet."""
+        batches = self.ready.get((step, index))
+        return None if batches is None else batches[rank]
+
+    def release(self, step: int, index: int) -> None:
+        """Every rank has its micro-batch of wave ``index``: forget it."""
+        self.ready.pop((step, index), None)
+
+    # ------------------------------------------------------------ assembling
+
+    def _advance(self) -> None:
+        changed = False
+        while self.cursor in self.decided and self._may_assemble():
+            g = self.cursor
+            group, accepted = self.decided.pop(g)
+            version = int(group.policy_versions.min())
+            if accepted and self.step - version > self.config.max_staleness:
+                self.attempts[g] = self.attempts.get(g, 0) + 1
+                self.stats.stale_dropped += 1
+                self.ledger.record(group.group_key, "stale", f"version {version} for step {self.step}")
+                changed = True
+                continue
+            self.ema = self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted
+            self.step_rewards.setdefault(self.step, []).append(float(group.rewards.float().mean()))
+            self.cursor += 1
+            if accepted:
+                self.wave.append(group)
+                if len(self.wave) == self.groups_per_wave:
+                    self._emit_wave()
+            changed = True
+            self._update_window()
+        if self._update_window() or changed:
+            self.plan_seq += 1
+
+    def _may_assemble(self) -> bool:
+        # On-policy: step k is assembled only from version-k groups, once version k exists.
+        return self.config.max_staleness > 0 or self.version >= self.step
+
+    def _emit_wave(self) -> None:
+        for group in self.wave:
+            self.ledger.record(group.group_key, "trained", step=self.step, policy_version=int(group.policy_versions.min()))
+        self.stats.trained_groups += len(self.wave)
+        self.ready[(self.step, self.wave_index)] = self._split(self.wave)
+        self.wave = []
+        self.wave_index += 1
+        if self.wave_index == self.config.micro_batches_per_step:
+            self.step += 1
+            self.wave_index = 0
+            if self.config.max_staleness == 0:
+                self._supersede_beyond_cursor()
+
+    def _supersede_beyond_cursor(self) -> None:
+        """On-policy: what was dispatched past the full step was generated for it; redo it."""
+        for g in range(self.cursor, self.dispatch_end):
+            key = self.key_at(g)
+            if self.decided.pop(g, None) is not None:
+                self.ledger.record(key, "superseded", f"step {self.step - 1} was full")
+                self.stats.superseded += 1
+            self.attempts[g] = key.attempt + 1
+        self.dispatch_end = self.cursor
+
+    def _update_window(self) -> bool:
+        """Extend the dispatch window; True if it grew."""
+        needed = self.config.groups_per_step * (self.config.micro_batches_per_step - self.wave_index) // self.config.micro_batches_per_step - len(self.wave)
+        if self.config.max_staleness > 0:
+            needed += self.config.groups_per_step * max(0, self.version + self.config.max_staleness - self.step)
+        elif self.version < self.step:
+            needed = 0  # on-policy: wait for the weights of this step
+        factor = min(self.config.max_oversample, 1.0 / max(self.ema, 1e-6))
+        end = self.cursor + math.ceil(needed * factor)
+        if end > self.dispatch_end:
+            self.dispatch_end = end
+            return True
+        return False
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: Path) -> None:
+        """Write the whole state (pending groups, cursors, waves) next to a checkpoint."""
+        state = {
+            "scalars": {k: getattr(self, k) for k in _SCALARS},
+            "attempts": [[g, a] for g, a in self.attempts.items()],
+            "decided": [[g, accepted, _frames(group)] for g, (group, accepted) in self.decided.items()],
+            "wave": [_frames(group) for group in self.wave],
+            "ready": [[step, index, [_frames(mb) for mb in batches]] for (step, index), batches in self.ready.items()],
+            "step_rewards": [[k, v] for k, v in self.step_rewards.items()],
+            "stats": dataclasses.asdict(self.stats),
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgpack.packb(state, use_bin_type=True))
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        """Restore what ``save`` wrote."""
+        state = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+        for k, v in state["scalars"].items():
+            setattr(self, k, v)
+        self.attempts = {g: a for g, a in state["attempts"]}
+        self.decided = {g: (_group(frames), accepted) for g, accepted, frames in state["decided"]}
+        self.wave = [_group(frames) for frames in state["wave"]]
+        self.ready = {(step, index): [_micro(f) for f in batches] for step, index, batches in state["ready"]}
+        self.step_rewards = {k: v for k, v in state["step_rewards"]}
+        self.stats = Stats(**state["stats"])
+
+    # ------------------------------------------------------------ micro-batches
+
+    def _split(self, groups: list[ScoredGroup]) -> list[MicroBatch]:
+        """One micro-batch per rank, the same number of samples each, balanced by tokens:
+        longest first, each to the rank with the fewest tokens so far (LPT)."""
+        samples = [(gi, i) for gi, group in enumerate(groups) for i in range(len(group.completion_ids))]
+        length = {s: len(groups[s[0]].prompt_ids) + len(groups[s[0]].completion_ids[s[1]]) for s in samples}
+        per_rank = len(samples) // self.world_size
+        ranks: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
+        tokens = [0] * self.world_size
+        for s in sorted(samples, key=lambda s: -length[s]):
+            r = min((r for r in range(self.world_size) if len(ranks[r]) < per_rank), key=lambda r: tokens[r])
+            ranks[r].append(s)
+            tokens[r] += length[s]
+        return [self._micro_batch(groups, sorted(rows), r) for r, rows in enumerate(ranks)]
+
+    def _micro_batch(self, groups: list[ScoredGroup], rows: list[tuple[int, int]], rank: int) -> MicroBatch:
+        width = max(len(groups[gi].prompt_ids) + len(groups[gi].completion_ids[i]) for gi, i in rows)
+        shape = (len(rows), width)
+        input_ids = torch.full(shape, self.config.pad_token_id, dtype=torch.int64)
+        attention = torch.zeros(shape, dtype=torch.bool)
+        loss_mask = torch.zeros(shape, dtype=torch.bool)
+        logprobs = torch.zeros(shape, dtype=torch.float32)
+        advantages = torch.zeros(shape, dtype=torch.float32)
+        versions = torch.zeros(len(rows), dtype=torch.int64)
+        for b, (gi, i) in enumerate(rows):
+            group = groups[gi]
+            p, c = len(group.prompt_ids), len(group.completion_ids[i])
+            input_ids[b, :p] = group.prompt_ids
+            input_ids[b, p : p + c] = group.completion_ids[i]
+            attention[b, : p + c] = True
+            loss_mask[b, p : p + c] = True
+            logprobs[b, p : p + c] = group.rollout_logprobs[i]
+            advantages[b, p : p + c] = group.advantages[i]
+            versions[b] = group.policy_versions[i]
+        return MicroBatch(
+            step=self.step,
+            rank=rank,
+            index=self.wave_index,
+            count=self.config.micro_batches_per_step,
+            input_ids=input_ids,
+            attention_mask=attention,
+            loss_mask=loss_mask,
+            rollout_logprobs=logprobs,
+            advantages=advantages,
+            policy_versions=versions,
+            group_keys=[groups[gi].group_key for gi, _ in rows],
+        )

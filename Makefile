@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m launch run
+	$(PY) -m benchmarks transport
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

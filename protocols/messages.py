@@ -308,6 +308,15 @@ class Query(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Metrics(Message):
+    """Named measurements, e.g. the buffer's stats or a worker's stage times."""
+
+    KIND: ClassVar[bytes] = b"metrics"
+
+    values: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Ack(Message):
     """Accepted. ``seq`` is the stream sequence number or the acknowledged item's number."""
 
@@ -354,6 +363,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Membership,
     PolicyVersion,
     Query,
+    Metrics,
     Ack,
     Error,
     Shutdown,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from yatt.configtools import require
+from yatt.tasks import TASKS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +40,29 @@ class GeneratorConfig:
     """vLLM on GPU: share of device memory the engine may take."""
     vllm_max_model_len: int = 1024
     """vLLM: longest prompt + completion."""
+    vllm_enforce_eager: bool = False
+    """vLLM: skip torch.compile and CUDA graphs (starts 40 s faster on CPU, decodes slower)."""
     seed: int = 0
     """Base sampling seed when a request carries none."""
 
     def __post_init__(self) -> None:
         require(self.max_batch_prompts >= 1, "max_batch_prompts", f"must be >= 1 (got {self.max_batch_prompts})")
         require(self.batch_wait_ms >= 0, "batch_wait_ms", f"must be >= 0 (got {self.batch_wait_ms})")
+        require(
+            self.vllm_kv_cache_gib >= 1 and float(self.vllm_kv_cache_gib).is_integer(),
+            "vllm_kv_cache_gib",
+            f"must be a whole number of GiB >= 1, as vLLM's CPU KV cache takes (got {self.vllm_kv_cache_gib})",
+        )
+        require(
+            0 < self.vllm_gpu_memory_utilization <= 1,
+            "vllm_gpu_memory_utilization",
+            f"must be in (0, 1] (got {self.vllm_gpu_memory_utilization})",
+        )
+        require(
+            self.vllm_max_model_len >= 2,
+            "vllm_max_model_len",
+            f"must be >= 2 (got {self.vllm_max_model_len})",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +91,8 @@ class ScorerConfig:
     """judge: verdicts sampled and averaged per completion."""
     judge_max_new_tokens: int = 16
     """judge: tokens the judge may write for its verdict."""
+    batch_size: int = 16
+    """reward_model: completions per forward pass."""
 
     def __post_init__(self) -> None:
         require(self.kind != "format_regex" or bool(self.pattern), "pattern", "is required for kind format_regex")
@@ -83,22 +103,29 @@ class ScorerConfig:
             f"is required for kind {self.kind}",
         )
         require(self.judge_samples >= 1, "judge_samples", f"must be >= 1 (got {self.judge_samples})")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1 (got {self.batch_size})")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """One reward worker: a weighted mix of scorers."""
 
-    scorers: list[ScorerConfig] = field(default_factory=lambda: [ScorerConfig(kind="exact_match")])
-    """The scorers; the reward is the weighted sum of their scores."""
+    scorers: list[ScorerConfig] = field(
+        default_factory=lambda: [ScorerConfig(kind="custom", name="digits", function="yatt.tasks:digits_reward")]
+    )
+    """The scorers; the reward is their weighted sum. Default: the built-in digits task's reward."""
     timeout_s: float = 10.0
     """Per-sample time limit of a scorer; past it the sample scores as failed (0)."""
     max_batch: int = 256
     """Most samples scored in one batch."""
+    processes: int = 2
+    """Worker processes that run the rule and custom scorers."""
 
     def __post_init__(self) -> None:
         require(len(self.scorers) >= 1, "scorers", "must name at least one scorer")
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 (got {self.timeout_s})")
+        require(self.max_batch >= 1, "max_batch", f"must be >= 1 (got {self.max_batch})")
+        require(self.processes >= 1, "processes", f"must be >= 1 (got {self.processes})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +211,40 @@ class TrainerConfig:
         require(self.world_size >= 1, "world_size", f"must be >= 1 (got {self.world_size})")
         require(self.lr > 0, "lr", f"must be > 0 (got {self.lr})")
         require(len(self.betas) == 2, "betas", f"must be two numbers (got {self.betas})")
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0 (got {self.warmup_steps})")
+        require(self.total_steps >= 0, "total_steps", f"must be >= 0 (got {self.total_steps})")
+        require(self.grad_clip >= 0, "grad_clip", f"must be >= 0, 0 for no clipping (got {self.grad_clip})")
+        require(self.critic_lr > 0, "critic_lr", f"must be > 0 (got {self.critic_lr})")
         require(self.weight_bucket_mb > 0, "weight_bucket_mb", f"must be > 0 (got {self.weight_bucket_mb})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """The per-shard controllers that drive prompts through generation and reward."""
+
+    num_controllers: int = 2
+    """Number of controller processes; prompt i belongs to shard i mod num_controllers."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling of rollouts."""
+    top_k: int = -1
+    """Top-k sampling of rollouts; -1: off."""
+    max_new_tokens: int = 32
+    """Longest completion."""
+    request_timeout_s: float = 300.0
+    """Deadline of one generate or score request before it is re-issued elsewhere."""
+    max_attempts: int = 5
+    """Tries of one request (across workers) before the controller gives up and fails."""
+    plan_wait_s: float = 2.0
+    """Long-poll time of a plan request to the buffer."""
+
+    def __post_init__(self) -> None:
+        require(self.num_controllers >= 1, "num_controllers", f"must be >= 1 (got {self.num_controllers})")
+        require(self.temperature >= 0, "temperature", f"must be >= 0 (got {self.temperature})")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (got {self.top_p})")
+        require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1 (got {self.max_new_tokens})")
+        require(self.max_attempts >= 1, "max_attempts", f"must be >= 1 (got {self.max_attempts})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,3 +283,51 @@ class BufferConfig:
         )
         require(self.max_oversample >= 1, "max_oversample", f"must be >= 1 (got {self.max_oversample})")
         require(0 <= self.acceptance_ema < 1, "acceptance_ema", f"must be in [0, 1) (got {self.acceptance_ema})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the prompts come from and how they become token ids (yatt/data.py)."""
+
+    source: Literal["synthetic", "jsonl", "parquet", "reasoning_gym"] = "synthetic"
+    """synthetic: a built-in task (yatt/tasks.py); jsonl/parquet: local files; reasoning_gym: generated."""
+    path: str = ""
+    """jsonl/parquet: a file, or a directory whose .jsonl/.json (.parquet) files are read in name order."""
+    prompt_field: str = "prompt"
+    """jsonl/parquet: the column holding the prompt, a string or a list of {role, content} messages."""
+    answer_field: str = "answer"
+    """jsonl/parquet: the column copied into metadata['answer']; empty: the data has no answers."""
+    task: str = "digits"
+    """synthetic: the built-in task name; reasoning_gym: the dataset name (e.g. basic_arithmetic)."""
+    num_prompts: int = 0
+    """synthetic/reasoning_gym: how many to generate (0: 1000); jsonl/parquet: the first n rows (0: all)."""
+    seed: int = 0
+    """Seed of the generated prompts (synthetic, reasoning_gym)."""
+    system_prompt: str = ""
+    """A system message put before every prompt; empty: none."""
+    instruction: str = "\n\nGive only the final answer, inside <answer></answer> tags."
+    """reasoning_gym: appended to every question (its scorer reads the answer from these tags)."""
+    max_prompt_tokens: int = 0
+    """Longest prompt allowed, in tokens (template included); a longer one is an error. 0: no limit."""
+    apply_chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template (when it has one); false: plain text."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.source not in ("jsonl", "parquet") or bool(self.path),
+            "path",
+            f"is required for source {self.source}: a file or a directory of them",
+        )
+        require(
+            self.source != "synthetic" or self.task in TASKS,
+            "task",
+            f"must be a built-in task: one of {', '.join(sorted(TASKS))} (got {self.task!r})",
+        )
+        require(
+            self.source != "reasoning_gym" or bool(self.task),
+            "task",
+            "is required for source reasoning_gym: a reasoning-gym dataset name, e.g. basic_arithmetic",
+        )
+        require(bool(self.prompt_field), "prompt_field", "must name the prompt column")
+        require(self.num_prompts >= 0, "num_prompts", f"must be >= 0 (got {self.num_prompts})")
+        require(self.max_prompt_tokens >= 0, "max_prompt_tokens", f"must be >= 0 (got {self.max_prompt_tokens})")

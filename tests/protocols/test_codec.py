@@ -94,6 +94,7 @@ SAMPLES: list[P.Message] = [
     P.Membership(epoch=2, workers=[WORKER, dataclasses.replace(WORKER, actor_id="reward-0@cd", role="reward")]),
     P.PolicyVersion(version=5),
     P.Query(what="members", args={"role": "generator"}),
+    P.Metrics(values={"depth": 3.0, "reward/mean": 0.5}),
     P.Ack(seq=12, info={"status": "accepted"}),
     P.Error(error_type="ValueError", message="bad", traceback="Traceback ..."),
     P.Shutdown(reason="done"),

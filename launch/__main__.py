@@ -1,0 +1,64 @@
+"""``python -m launch run [CONFIG.yaml] [dotted.key=value ...] [--run-dir DIR] [--resume DIR]``.
+
+With no config it runs the built-in default: a tiny model built from a config, a
+tokenizer trained in-process, a synthetic task with a shaped reward, 2 controllers,
+1 generator, 1 reward worker and 2 FSDP trainer ranks, on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from launch.config import load_run_config
+from launch.local import LocalLauncher, latest_checkpoint
+from yatt.errors import ConfigError
+
+
+def _split(items: list[str]) -> tuple[str | None, list[str]]:
+    """The optional config path (first item without '=') and the overrides."""
+    config = None
+    overrides = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif config is None:
+            config = item
+        else:
+            raise ConfigError(f"two config files given ({config}, {item}); overrides look like dotted.key=value")
+    return config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run every role on this machine")
+    run.add_argument("items", nargs="*", metavar="CONFIG.yaml | dotted.key=value")
+    run.add_argument("--run-dir", type=Path, default=None, help="where the run writes (default runs/<time>)")
+    run.add_argument("--resume", type=Path, default=None, help="a run dir to continue from its last checkpoint")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    args = parser.parse_args(argv)
+    try:
+        config_path, overrides = _split(args.items)
+        resume_ckpt = None
+        run_dir = args.run_dir
+        if args.resume is not None:
+            resume_ckpt = latest_checkpoint(args.resume)
+            if resume_ckpt is None:
+                raise ConfigError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
+            run_dir = run_dir or args.resume
+            config_path = config_path or str(args.resume / "config.yaml")
+        cfg = load_run_config(config_path, overrides)
+    except ConfigError as e:
+        print(f"yatt: config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    launcher = LocalLauncher(cfg, run_dir, resume=resume_ckpt, show_progress=not args.no_progress)
+    return asyncio.run(launcher.run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

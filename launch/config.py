@@ -1,0 +1,93 @@
+"""The run config: every component's config nested into one, loaded from one YAML file.
+
+``load_run_config(path, overrides)`` reads YAML (or nothing: the built-in default),
+applies ``dotted.key=value`` overrides and validates everything before any process
+starts; the launcher writes the resolved config into the run dir, and every role process
+reads that file back, taking only its own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from yatt.config import (
+    AlgorithmConfig,
+    BufferConfig,
+    ControllerConfig,
+    DataConfig,
+    GeneratorConfig,
+    ModelConfig,
+    RewardConfig,
+    TrainerConfig,
+)
+from yatt.configtools import apply_overrides, build, require, to_dict
+from yatt.errors import ConfigError
+from yatt.transport import TransportConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """The run as a whole: its length, its processes and where it writes."""
+
+    steps: int = 30
+    """Optimizer steps of the run."""
+    seed: int = 0
+    """Seed of the prompt order, of sampling and of the trainer."""
+    num_generators: int = 1
+    """Generator processes."""
+    num_rewards: int = 1
+    """Reward worker processes."""
+    host: str = "127.0.0.1"
+    """Address every role binds on (one machine)."""
+    ready_timeout_s: float = 600.0
+    """How long the launcher waits for every role to report READY."""
+    restart_limit: int = 5
+    """Restarts of one controller, generator or reward process before the run fails."""
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "steps", f"must be >= 1 (got {self.steps})")
+        require(self.num_generators >= 1, "num_generators", f"must be >= 1 (got {self.num_generators})")
+        require(self.num_rewards >= 1, "num_rewards", f"must be >= 1 (got {self.num_rewards})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one run needs; each process takes only its own section."""
+
+    run: RunSettings = field(default_factory=RunSettings)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """The validated run config from YAML ``path`` (None: the built-in default) and overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections (got {type(loaded).__name__})")
+        data = loaded or {}
+    apply_overrides(data, overrides or [])
+    return build(RunConfig, data)
+
+
+def dump_run_config(config: RunConfig, path: Path) -> None:
+    """Write the resolved config (every default filled in) as YAML."""
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,0 +1,281 @@
+"""``python -m launch run``: every role of one run as processes on this machine.
+
+The launcher hosts the registry, starts the role processes, waits until each has
+registered (the READY handshake), then watches them::
+
+    launcher (registry) --spawn--> buffer, reward x R, generator x G, controller x S, trainer x W
+        READY      = every expected role registered in the directory
+        running    : a controller, generator or reward process that exits is restarted
+                     (the buffer's ledger makes that lossless); a trainer rank or the
+                     buffer that fails stops the run with its log's tail
+        done       = trainer rank 0 exits 0 after the last step and the final export
+        Ctrl-C / SIGTERM, done or failure: SIGTERM to every process, SIGKILL after a grace
+
+The progress bar follows ``metrics.jsonl``, which trainer rank 0 writes once per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch.config import RunConfig, dump_run_config
+from yatt.errors import ActorFailed, ConfigError, RequestTimeout
+from yatt.registry import Directory, Registry
+from yatt.transport import Transport
+
+RESTARTABLE = ("controller", "generator", "reward")
+GRACE_S = 15.0
+
+
+@dataclass
+class Proc:
+    """One role process the launcher watches."""
+
+    role: str
+    index: int
+    popen: subprocess.Popen[bytes]
+    log: Path
+    restarts: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+def free_port(host: str) -> int:
+    """A port the OS says is free now (for torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (one with a ``done`` marker)."""
+    done = sorted(run_dir.glob("checkpoints/step_*/done"), key=lambda p: int(p.parent.name.split("_")[1]))
+    return done[-1].parent if done else None
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
+    """The model directory every role loads: ``model.path``, or the tiny default built once."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+        return path
+    from workers.models import build_tiny_model
+
+    return build_tiny_model(run_dir / "model", seed=cfg.run.seed)
+
+
+class LocalLauncher:
+    """Starts, watches and stops one run's processes on this machine."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, resume: Path | None = None, show_progress: bool = True) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.show_progress = show_progress
+        self.procs: list[Proc] = []
+        self.model_path = Path()
+        self.registry_endpoint = ""
+        self.master_port = 0
+
+    def expected(self) -> dict[str, int]:
+        c = self.cfg
+        return {
+            "buffer": 1,
+            "reward": c.run.num_rewards,
+            "generator": c.run.num_generators,
+            "controller": c.controller.num_controllers,
+            "trainer": c.trainer.world_size,
+        }
+
+    async def run(self) -> int:
+        """Run to completion; 0 on success, 1 when a role failed, 130 on Ctrl-C."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
+        dump_run_config(self.cfg, self.run_dir / "config.yaml")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with Transport(self.cfg.transport) as transport:
+            host = self.cfg.run.host
+            registry = Registry(transport, endpoint=f"tcp://{host}:*", publish_endpoint=f"tcp://{host}:*")
+            self.registry_endpoint = await registry.start()
+            self.master_port = free_port(host)
+            try:
+                async with Directory(transport, self.registry_endpoint, name="launcher") as directory:
+                    for role, count in self.expected().items():
+                        for index in range(count):
+                            self.procs.append(self._spawn(role, index))
+                    await self._wait_ready(directory, stop)
+                    print(f"yatt: all roles READY; run dir {self.run_dir}", flush=True)
+                    return await self._watch(stop)
+            except (ActorFailed, ConfigError) as e:
+                print(f"yatt: {e}", file=sys.stderr, flush=True)
+                return 1
+            finally:
+                await self._stop_all()
+                await registry.close()
+
+    def _spawn(self, role: str, index: int, restarts: int = 0) -> Proc:
+        log = self.run_dir / "logs" / f"{role}-{index}.log"
+        cmd = [
+            sys.executable, "-m", "launch.role", role,
+            "--run-dir", str(self.run_dir),
+            "--registry", self.registry_endpoint,
+            "--index", str(index),
+            "--model-path", str(self.model_path),
+        ]  # fmt: skip
+        if self.resume is not None and role in ("buffer", "trainer"):
+            cmd += ["--resume", str(self.resume)]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # many processes share the cores
+        env["PYTHONUNBUFFERED"] = "1"
+        if role == "trainer":
+            env.update(
+                MASTER_ADDR=self.cfg.run.host,
+                MASTER_PORT=str(self.master_port),
+                RANK=str(index),
+                WORLD_SIZE=str(self.cfg.trainer.world_size),
+                LOCAL_RANK=str(index),
+            )
+        with log.open("ab") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts)
+
+    async def _wait_ready(self, directory: Directory, stop: asyncio.Event) -> None:
+        expected = self.expected()
+
+        def ready(d: Directory) -> bool:
+            return all(len(d.members(role)) >= n for role, n in expected.items())
+
+        deadline = time.monotonic() + self.cfg.run.ready_timeout_s
+        while not ready(directory):
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    raise ActorFailed(
+                        f"{p.name} exited with code {p.popen.returncode} before it was READY; "
+                        f"its log ({p.log}):\n{log_tail(p.log)}"
+                    )
+            if stop.is_set():
+                raise ActorFailed("interrupted before every role was READY")
+            if time.monotonic() > deadline:
+                have = {role: len(directory.members(role)) for role in expected}
+                raise ActorFailed(
+                    f"not every role was READY within run.ready_timeout_s={self.cfg.run.ready_timeout_s}: "
+                    f"expected {expected}, registered {have}; see {self.run_dir / 'logs'}"
+                )
+            try:
+                await directory.wait_until(ready, timeout=0.5)
+            except RequestTimeout:
+                continue  # poll the processes again
+
+    async def _watch(self, stop: asyncio.Event) -> int:
+        progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.run.steps, enabled=self.show_progress)
+        try:
+            while not stop.is_set():
+                progress.update()
+                for i, p in enumerate(self.procs):
+                    code = p.popen.poll()
+                    if code is None:
+                        continue
+                    if p.role == "trainer" and p.index == 0 and code == 0:
+                        progress.update()
+                        return 0
+                    if p.role in RESTARTABLE:
+                        if p.restarts >= self.cfg.run.restart_limit:
+                            raise ActorFailed(
+                                f"{p.name} died {p.restarts + 1} times (run.restart_limit={self.cfg.run.restart_limit}); "
+                                f"last log:\n{log_tail(p.log)}"
+                            )
+                        print(f"yatt: {p.name} exited with code {code}; restarting it", file=sys.stderr, flush=True)
+                        self.procs[i] = self._spawn(p.role, p.index, restarts=p.restarts + 1)
+                        continue
+                    if p.role == "trainer" and code == 0:
+                        continue  # a non-zero rank finished; rank 0 ends the run
+                    raise ActorFailed(
+                        f"{p.name} exited with code {code}; the run stops. Resume from the last checkpoint with "
+                        f"`python -m launch run --resume {self.run_dir}`. Its log ({p.log}):\n{log_tail(p.log)}"
+                    )
+                await asyncio.sleep(0.2)
+            return 130
+        finally:
+            progress.close()
+
+    async def _stop_all(self) -> None:
+        live = [p for p in self.procs if p.popen.poll() is None]
+        for p in live:
+            _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while any(p.popen.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for p in live:
+            if p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGKILL)
+                p.popen.wait()
+
+
+def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the process and everything it started (vLLM's engine core, scorer pools)."""
+    try:
+        os.killpg(popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Progress:
+    """A tqdm bar over the steps, fed by the lines of ``metrics.jsonl``."""
+
+    def __init__(self, path: Path, total: int, *, enabled: bool) -> None:
+        self.path = path
+        self._offset = 0
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def update(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as f:
+            f.seek(self._offset)
+            text = f.read()
+        complete = text[: text.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        for line in complete.splitlines():
+            m = json.loads(line)
+            if self._bar is None:
+                continue
+            self._bar.n = int(m["step"]) + 1
+            self._bar.set_postfix(
+                reward=f"{m.get('reward/mean', float('nan')):.3f}",
+                samples_s=f"{m.get('samples_per_s', 0):.1f}",
+                stale=f"{m.get('staleness/mean', 0):.2f}",
+                refresh=False,
+            )
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

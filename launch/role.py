@@ -1,0 +1,150 @@
+"""One role process: ``python -m launch.role ROLE --run-dir DIR --registry EP [--index I]``.
+
+The launcher (``python -m launch run``, or ``srun`` on SLURM) starts one of these per
+process. Each reads the resolved config from ``DIR/config.yaml``, takes only its own
+sections, serves its actor, registers with the registry (the READY handshake: the
+launcher waits for every registration, never for a sleep) and runs until SIGTERM, a
+``Shutdown`` message, or (trainer ranks) the end of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from launch.config import RunConfig, load_run_config
+from yatt.actor import Actor
+from yatt.registry import Directory, Registration
+from yatt.transport import Transport
+
+logger = logging.getLogger("yatt.role")
+
+ROLES = ("buffer", "controller", "generator", "reward", "trainer")
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _serve(actor: Actor, registry: str, stop: asyncio.Event, until: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve ``actor``, registered, until ``stop`` (or ``until`` returns, or the actor closes)."""
+    await actor.start()
+    try:
+        async with Registration(actor.transport, registry, actor.info(pid=str(os.getpid()))):
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(actor.wait_closed())]
+            if until is not None:
+                waits.append(asyncio.ensure_future(until()))
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                task.result()  # re-raise a failure of the role's own work
+    finally:
+        await actor.close()
+
+
+async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+    from yatt.buffer import Buffer
+    from yatt.data import load_prompts
+
+    prompts = load_prompts(cfg.data, str(args.model_path))
+    actor = Buffer(
+        transport,
+        endpoint=f"tcp://{cfg.run.host}:*",
+        config=cfg.buffer,
+        num_prompts=len(prompts),
+        num_shards=cfg.controller.num_controllers,
+        world_size=cfg.trainer.world_size,
+        seed=cfg.run.seed,
+        ledger_path=args.run_dir / "ledger.db",
+        resume_from=args.resume,
+    )
+    await _serve(actor, args.registry, stop)
+
+
+async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+    from yatt.controller import Controller, ControllerActor
+    from yatt.data import load_prompts
+
+    prompts = load_prompts(cfg.data, str(args.model_path))
+    async with Directory(transport, args.registry, name=f"controller-{args.index}") as directory:
+        controller = Controller(
+            cfg.controller,
+            cfg.algorithm,
+            shard=args.index,
+            group_size=cfg.buffer.group_size,
+            prompts=prompts,
+            directory=directory,
+            seed=cfg.run.seed,
+        )
+        actor = ControllerActor(transport, endpoint=f"tcp://{cfg.run.host}:*", controller=controller)
+        await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
+
+
+async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+    from workers.engines import make_engine
+    from workers.generator import Generator
+
+    engine = await asyncio.to_thread(make_engine, str(args.model_path), cfg.generator, device=args.device, dtype=cfg.model.dtype)
+    actor = Generator(transport, endpoint=f"tcp://{cfg.run.host}:*", engine=engine, config=cfg.generator)
+    await _serve(actor, args.registry, stop)
+
+
+async def _reward(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+    from workers.reward import Reward
+
+    actor = Reward(transport, endpoint=f"tcp://{cfg.run.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path))
+    await _serve(actor, args.registry, stop)
+
+
+async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+    from workers.trainer_rank import TrainerRank
+
+    async with Directory(transport, args.registry, name=f"trainer-{args.index}") as directory:
+        rank = await asyncio.to_thread(
+            TrainerRank.create, cfg, run_dir=args.run_dir, model_path=args.model_path, resume=args.resume
+        )
+        actor = rank.actor(transport, endpoint=f"tcp://{cfg.run.host}:*")
+        await _serve(actor, args.registry, stop, until=lambda: rank.run(directory, stop))
+
+
+_MAINS = {"buffer": _buffer, "controller": _controller, "generator": _generator, "reward": _reward, "trainer": _trainer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.role", description=__doc__)
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--run-dir", type=Path, required=True, help="the run dir holding config.yaml")
+    parser.add_argument("--registry", required=True, help="the registry's endpoint, tcp://host:port")
+    parser.add_argument("--index", type=int, default=0, help="shard of a controller, rank of a trainer, n-th worker")
+    parser.add_argument("--model-path", type=Path, required=True, help="the resolved local model directory")
+    parser.add_argument("--resume", type=Path, default=None, help="checkpoint dir to resume from")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("YATT_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s {args.role}-{args.index} %(levelname)s %(name)s: %(message)s",
+    )
+    cfg = load_run_config(args.run_dir / "config.yaml")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        async with Transport(cfg.transport) as transport:
+            await _MAINS[args.role](cfg, args, transport, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The whole loop as processes, started by ``python -m launch run`` as a user would.
+
+These are the slowest tests of the suite (a few minutes on 2 cores); they use the
+built-in default job, shortened through overrides where the property does not need the
+full run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from yatt.ledger import Ledger
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(run_dir: Path, *overrides: str, resume: Path | None = None) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "launch", "run", *overrides, "--run-dir", str(run_dir), "--no-progress"]
+    if resume is not None:
+        cmd += ["--resume", str(resume)]
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").open("ab")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[bytes], run_dir: Path, timeout: float = 900) -> None:
+    code = proc.wait(timeout=timeout)
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text(errors="replace")
+    assert code == 0, f"launcher exited {code}:\n{log[-4000:]}"
+
+
+def metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_keys(run_dir: Path) -> dict[int, list[str]]:
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        steps: dict[int, list[str]] = {}
+        for e in ledger.entries("trained"):
+            assert e.step is not None
+            steps.setdefault(e.step, []).append(e.key.as_str())
+        return steps
+    finally:
+        ledger.close()
+
+
+def wait_for(predicate: object, timeout: float) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.5)
+
+
+def role_pid(run_dir: Path, role: str, index: int, launcher: subprocess.Popen[bytes]) -> int:
+    """The pid of a role process, found through the launcher's process group."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        if f"launch.role {role} " in line and f"--run-dir {run_dir} " in line and f"--index {index} " in line:
+            return int(line.split()[0])
+    raise AssertionError(f"no {role}-{index} process of {run_dir}")
+
+
+def test_default_job_learns(tmp_path: Path) -> None:
+    run_dir = tmp_path / "default"
+    finish(launch(run_dir), run_dir)
+    rows = metrics(run_dir)
+    assert len(rows) == 30 and [int(r["step"]) for r in rows] == list(range(30))
+    start = sum(r["reward/mean"] for r in rows[:3]) / 3
+    end = sum(r["reward/mean"] for r in rows[-3:]) / 3
+    assert end >= 3 * start, f"mean reward went from {start:.3f} to {end:.3f}"
+    assert (run_dir / "final" / "config.json").exists()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
+
+
+def test_killed_controller_and_generator_lose_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "kills"
+    proc = launch(run_dir, "run.steps=12")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
+    os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)
+    wait_for(lambda: len(metrics(run_dir)) >= 6, 600)
+    os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
+    finish(proc, run_dir)
+    assert len(metrics(run_dir)) == 12
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        accepted = Counter(e.key for e in ledger.entries("accepted"))
+        assert accepted and max(accepted.values()) == 1, "a group was committed twice"
+        trained = Counter(e.key for e in ledger.entries("trained"))
+        assert max(trained.values()) == 1, "a group was trained twice"
+        # No prompt of the first epoch is missing: each one was trained or filtered.
+        decided = {e.key.prompt_index for e in ledger.entries() if e.key.epoch == 0 and e.status in ("trained", "filtered")}
+        epoch0 = {e.key.prompt_index for e in ledger.entries() if e.key.epoch == 0}
+        steps_done = max(e.step or 0 for e in ledger.entries("trained"))
+        assert steps_done == 11
+        assert epoch0 - decided <= {
+            e.key.prompt_index for e in ledger.entries() if e.key.epoch == 0 and e.status in ("accepted", "superseded")
+        }
+    finally:
+        ledger.close()
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    assert "controller-0 exited" in log and "generator-0 exited" in log
+
+
+def test_resume_gives_the_same_steps(tmp_path: Path) -> None:
+    overrides = ("run.steps=8", "trainer.checkpoint_every=4")
+    reference = tmp_path / "reference"
+    finish(launch(reference, *overrides), reference)
+    run_dir = tmp_path / "resumed"
+    proc = launch(run_dir, *overrides)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_4" / "done").exists(), 600)
+    wait_for(lambda: len(metrics(run_dir)) >= 5 or proc.poll() is not None, 600)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, mid-step after the checkpoint
+    for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout.splitlines():
+        if f"--run-dir {run_dir} " in line:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    finish(launch(run_dir, resume=run_dir), run_dir)
+    expected, got = trained_keys(reference), trained_keys(run_dir)
+    assert sorted(got) == list(range(8))
+    for step in range(4, 8):
+        assert got[step] == expected[step], f"step {step} trained other groups after the resume"
+
+
+def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
+    run_dir = tmp_path / "async"
+    finish(launch(run_dir, "run.steps=8", "buffer.max_staleness=2"), run_dir)
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        trained = ledger.entries("trained")
+        assert len(trained) == 8 * 8
+        assert all((e.step or 0) - (e.policy_version or 0) <= 2 for e in trained)
+        assert any((e.step or 0) - (e.policy_version or 0) > 0 for e in trained), "nothing ran ahead"
+    finally:
+        ledger.close()
+    assert max(r["staleness/mean"] for r in metrics(run_dir)) <= 2

@@ -1,0 +1,182 @@
+"""The generator role: one inference engine serving GenerateRequests from every controller.
+
+Why an actor around the engine: requests arrive one group at a time from several
+controllers, but engines are fast only on batches, and weights must change only between
+engine calls. So requests queue, a batching loop hands up to ``max_batch_prompts`` of
+them (waiting ``batch_wait_ms`` for company) to one engine call in a thread, and a weight
+update waits for the engine lock::
+
+    controllers --GenerateRequest--> queue --(batch)--> engine.generate (thread) --> Completions
+    trainer 0   --WeightUpdate buckets--> (all buckets of version v) --lock--> engine.update_weights
+                                                                          --> Ack(v)
+
+A request with ``min_policy_version`` v waits until the generator holds version v (the
+on-policy mode); every completion reports the version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import torch
+
+from protocols.messages import (
+    Ack,
+    Completion,
+    Completions,
+    GenerateRequest,
+    Message,
+    Metrics,
+    Query,
+    WeightUpdate,
+)
+from workers.engines.base import Engine, PromptRequest, Sample
+from yatt.actor import Actor, handles
+from yatt.config import GeneratorConfig
+from yatt.errors import ProtocolError
+from yatt.transport import Transport
+
+
+class Generator(Actor):
+    """Batches GenerateRequests into engine calls and applies versioned weight updates."""
+
+    role = "generator"
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        endpoint: str,
+        engine: Engine,
+        config: GeneratorConfig,
+        version: int = 0,
+        actor_id: str | None = None,
+    ) -> None:
+        super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
+        self.engine = engine
+        self.gen_config = config
+        self.version = version
+        self._queue: asyncio.Queue[tuple[GenerateRequest, asyncio.Future[Completions]]] = asyncio.Queue()
+        self._engine_lock = asyncio.Lock()
+        self._version_changed = asyncio.Condition()
+        self._buckets: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket index -> bucket
+        self.generate_s = 0.0  # time inside engine.generate
+        self.sync_s = 0.0  # time inside engine.update_weights
+        self.tokens = 0
+        self.batches = 0
+
+    async def on_start(self) -> None:
+        self.spawn(self._batching(), name="batching")
+
+    @handles(GenerateRequest)
+    async def generate(self, msg: GenerateRequest) -> Completions:
+        if msg.n < 1:
+            raise ProtocolError(f"GenerateRequest.n must be >= 1 (got {msg.n})")
+        if msg.prompt_ids.ndim != 1 or msg.prompt_ids.numel() == 0:
+            raise ProtocolError(f"GenerateRequest.prompt_ids must be a non-empty [P] tensor (got {list(msg.prompt_ids.shape)})")
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.version >= msg.min_policy_version)
+        future: asyncio.Future[Completions] = asyncio.get_running_loop().create_future()
+        await self._queue.put((msg, future))
+        return await future
+
+    async def _batching(self) -> None:
+        max_batch = self.gen_config.max_batch_prompts
+        while True:
+            batch = [await self._queue.get()]
+            deadline = time.monotonic() + self.gen_config.batch_wait_ms / 1000
+            while len(batch) < max_batch:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0 and self._queue.empty():
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), max(timeout, 0)))
+                except asyncio.TimeoutError:
+                    break
+            batch = [(msg, fut) for msg, fut in batch if not fut.done()]  # the requester gave up
+            if batch:
+                await self._run(batch)
+
+    async def _run(self, batch: list[tuple[GenerateRequest, asyncio.Future[Completions]]]) -> None:
+        requests = [
+            PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling) for msg, _ in batch
+        ]
+        async with self._engine_lock:
+            version = self.version
+            start = time.perf_counter()
+            try:
+                results = await asyncio.to_thread(self.engine.generate, requests)
+            except Exception as e:  # one bad batch fails its requests, not the worker
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                return
+            self.generate_s += time.perf_counter() - start
+        self.batches += 1
+        for (msg, fut), samples in zip(batch, results, strict=True):
+            self.tokens += sum(len(s.token_ids) for s in samples)
+            if not fut.done():
+                fut.set_result(Completions(group_key=msg.group_key, completions=[_completion(s, version) for s in samples]))
+
+    @handles(WeightUpdate, serial=True)
+    async def weights(self, msg: WeightUpdate) -> Ack:
+        if msg.version <= self.version:
+            return Ack(seq=msg.version, info={"status": "already applied"})
+        if len(msg.names) != len(msg.tensors):
+            raise ProtocolError(f"WeightUpdate has {len(msg.names)} names but {len(msg.tensors)} tensors")
+        buckets = self._buckets.setdefault(msg.version, {})
+        buckets[msg.bucket_index] = msg
+        if len(buckets) < msg.num_buckets:
+            return Ack(seq=msg.version, info={"status": f"bucket {msg.bucket_index + 1}/{msg.num_buckets}"})
+        del self._buckets[msg.version]
+        for old in [v for v in self._buckets if v < msg.version]:
+            del self._buckets[old]  # an update that never completed was overtaken
+
+        def named() -> Iterator[tuple[str, torch.Tensor]]:
+            for i in range(msg.num_buckets):
+                yield from zip(buckets[i].names, buckets[i].tensors, strict=True)
+
+        async with self._engine_lock:
+            start = time.perf_counter()
+            await asyncio.to_thread(self.engine.update_weights, named())
+            self.sync_s += time.perf_counter() - start
+            async with self._version_changed:
+                self.version = msg.version
+                self._version_changed.notify_all()
+        return Ack(seq=msg.version, info={"status": "applied"})
+
+    @handles(Query)
+    async def query(self, msg: Query) -> Message:
+        if msg.what == "version":
+            return Ack(seq=self.version)
+        if msg.what == "stats":
+            return Metrics(
+                values={
+                    "generator/version": float(self.version),
+                    "generator/generate_s": self.generate_s,
+                    "generator/weight_sync_s": self.sync_s,
+                    "generator/tokens": float(self.tokens),
+                    "generator/batches": float(self.batches),
+                    "generator/queued": float(self._queue.qsize()),
+                }
+            )
+        raise ValueError(f"generator: unknown query {msg.what!r}; known: version, stats")
+
+    async def on_stop(self) -> None:
+        while not self._queue.empty():
+            _, fut = self._queue.get_nowait()
+            fut.cancel()
+        await asyncio.to_thread(self.engine.close)
+
+
+def _completion(sample: Sample, version: int) -> Completion:
+    return Completion(
+        token_ids=torch.tensor(sample.token_ids, dtype=torch.int32),
+        logprobs=torch.tensor(sample.logprobs, dtype=torch.float32),
+        finish_reason=sample.finish_reason,
+        policy_version_min=version,
+        policy_version_max=version,
+    )
+

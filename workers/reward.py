@@ -1,0 +1,90 @@
+"""The reward role: scores groups of completions with the configured mix of scorers.
+
+Token ids arrive (token in, token out); the worker decodes them with the policy's
+tokenizer only to hand text to the scorers, which see prompt, completion, the prompt's
+metadata (e.g. the reference answer) and the finish reason. The mix runs each scorer
+under a per-sample time limit (``workers.scorers``), so a scorer that hangs or raises
+scores that sample as failed, with the reason in ``Scores.failures``, and the worker
+goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from protocols.messages import Message, Metrics, Query, ScoreRequest, Scores
+from workers.scorers import RewardMix, ScoreInput
+from yatt.actor import Actor, handles
+from yatt.config import RewardConfig
+from yatt.errors import ProtocolError
+from yatt.transport import Transport
+
+
+class Reward(Actor):
+    """Serves ScoreRequests with a ``RewardMix``."""
+
+    role = "reward"
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        endpoint: str,
+        config: RewardConfig,
+        tokenizer_path: str,
+        actor_id: str | None = None,
+    ) -> None:
+        super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.mix = RewardMix(config, tokenizer_path=tokenizer_path)
+        self.score_s = 0.0
+        self.samples = 0
+        self.failures = 0
+
+    @handles(ScoreRequest)
+    async def score(self, msg: ScoreRequest) -> Scores:
+        if len(msg.finish_reasons) != len(msg.completion_ids):
+            raise ProtocolError(
+                f"ScoreRequest has {len(msg.completion_ids)} completions but {len(msg.finish_reasons)} finish reasons"
+            )
+        prompt, completions = await asyncio.to_thread(self._decode, msg)
+        inputs = [
+            ScoreInput(prompt=prompt, completion=text, metadata=msg.metadata, finish_reason=reason)
+            for text, reason in zip(completions, msg.finish_reasons, strict=True)
+        ]
+        start = time.perf_counter()
+        results = await self.mix.score(inputs)
+        self.score_s += time.perf_counter() - start
+        self.samples += len(results)
+        self.failures += sum(bool(r.failure) for r in results)
+        names = list(results[0].components) if results else []
+        return Scores(
+            group_key=msg.group_key,
+            rewards=torch.tensor([r.reward for r in results], dtype=torch.float32),
+            components={n: torch.tensor([r.components[n] for r in results], dtype=torch.float32) for n in names},
+            failures=[r.failure for r in results],
+        )
+
+    def _decode(self, msg: ScoreRequest) -> tuple[str, list[str]]:
+        prompt = self.tokenizer.decode(msg.prompt_ids.tolist(), skip_special_tokens=True)
+        texts = [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in msg.completion_ids]
+        return prompt, texts
+
+    @handles(Query)
+    async def query(self, msg: Query) -> Message:
+        if msg.what == "stats":
+            return Metrics(
+                values={
+                    "reward/score_s": self.score_s,
+                    "reward/samples": float(self.samples),
+                    "reward/failed_samples": float(self.failures),
+                }
+            )
+        raise ValueError(f"reward: unknown query {msg.what!r}; known: stats")
+
+    async def on_stop(self) -> None:
+        self.mix.close()

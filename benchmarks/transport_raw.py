@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import socket
 import time
 
 import numpy as np
@@ -17,8 +18,15 @@ import zmq.asyncio
 SMALL = b"x" * 100
 
 
+def endpoint() -> str:
+    """A loopback tcp endpoint on a port that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 def _sink(endpoint: str, done: str, expected: int) -> None:
-    """PULL ``expected`` messages, then say so on ``done``."""
+    """PULL one warm-up message (say "ready"), then ``expected`` more (say "done")."""
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
@@ -26,6 +34,8 @@ def _sink(endpoint: str, done: str, expected: int) -> None:
         pull.bind(endpoint)
         ack = ctx.socket(zmq.PUSH)
         ack.connect(done)
+        await pull.recv_multipart(copy=False)
+        await ack.send(b"ready")
         for _ in range(expected):
             await pull.recv_multipart(copy=False)
         await ack.send(b"done")
@@ -66,10 +76,11 @@ def push_throughput(endpoint: str, done: str, frames: list[bytes | memoryview], 
         push = ctx.socket(zmq.PUSH)
         push.connect(endpoint)
         await push.send_multipart(frames, copy=False)  # warm-up: connection is up
+        await done_sock.recv()  # "ready"
         start = time.perf_counter()
-        for _ in range(count - 1):
+        for _ in range(count):
             await push.send_multipart(frames, copy=False)
-        await done_sock.recv()
+        await done_sock.recv()  # "done"
         elapsed = time.perf_counter() - start
         push.close(0)
         done_sock.close(0)

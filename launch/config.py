@@ -28,6 +28,9 @@ from yatt.configtools import apply_overrides, build, require, to_dict
 from yatt.errors import ConfigError
 from yatt.transport import TransportConfig
 
+DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+"""The built-in default job: a tiny model on a synthetic task, on CPU."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
@@ -72,18 +75,16 @@ class RunConfig:
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """The validated run config from YAML ``path`` (None: the built-in default) and overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections (got {type(loaded).__name__})")
-        data = loaded or {}
+    p = DEFAULT_CONFIG if path is None else Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections (got {type(loaded).__name__})")
+    data: dict[str, Any] = loaded or {}
     apply_overrides(data, overrides or [])
     return build(RunConfig, data)
 

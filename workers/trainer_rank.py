@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,8 +82,17 @@ class TrainerRank:
     @classmethod
     def create(cls, cfg: RunConfig, *, run_dir: Path, model_path: Path, resume: Path | None) -> TrainerRank:
         """Join the process group (env:// from the launcher) and build the trainer."""
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        trainer = Trainer(cfg.model, cfg.trainer, cfg.algorithm, model_path=str(model_path), run_steps=cfg.run.steps)
+        trainer = Trainer(
+            cfg.model,
+            cfg.trainer,
+            cfg.algorithm,
+            model_path=str(model_path),
+            run_steps=cfg.run.steps,
+            temperature=cfg.controller.temperature,
+        )
         if resume is not None:
             trainer.load_checkpoint(resume / "trainer")
         return cls(cfg, trainer, run_dir=run_dir)

@@ -110,10 +110,8 @@ class ScorerConfig:
 class RewardConfig:
     """One reward worker: a weighted mix of scorers."""
 
-    scorers: list[ScorerConfig] = field(
-        default_factory=lambda: [ScorerConfig(kind="custom", name="digits", function="yatt.tasks:digits_reward")]
-    )
-    """The scorers; the reward is their weighted sum. Default: the built-in digits task's reward."""
+    scorers: list[ScorerConfig] = field(default_factory=lambda: [ScorerConfig(kind="exact_match")])
+    """The scorers; the reward is their weighted sum."""
     timeout_s: float = 10.0
     """Per-sample time limit of a scorer; past it the sample scores as failed (0)."""
     max_batch: int = 256

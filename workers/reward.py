@@ -70,8 +70,8 @@ class Reward(Actor):
         )
 
     def _decode(self, msg: ScoreRequest) -> tuple[str, list[str]]:
-        prompt = self.tokenizer.decode(msg.prompt_ids.tolist(), skip_special_tokens=True)
-        texts = [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in msg.completion_ids]
+        prompt = str(self.tokenizer.decode(msg.prompt_ids.tolist(), skip_special_tokens=True))
+        texts = [str(self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)) for ids in msg.completion_ids]
         return prompt, texts
 
     @handles(Query)

@@ -47,6 +47,8 @@ from yatt.registry import Directory
 from yatt.transport import Transport
 
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
     from launch.config import RunConfig
 
 
@@ -77,7 +79,7 @@ class TrainerRank:
         self._buckets: list[WeightUpdate] = []  # rank 0: the last published version
         self._synced: dict[str, int] = {}  # rank 0: generator actor id -> version it holds
         self._push_locks: dict[str, asyncio.Lock] = {}
-        self._writer = None
+        self._writer: SummaryWriter | None = None
 
     @classmethod
     def create(cls, cfg: RunConfig, *, run_dir: Path, model_path: Path, resume: Path | None) -> TrainerRank:
@@ -235,9 +237,9 @@ class TrainerRank:
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter as Writer
 
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._writer = Writer(str(self.run_dir / "tensorboard"))
         step = int(line["step"])
         for key, value in line.items():
             if key != "step":

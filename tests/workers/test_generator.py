@@ -29,6 +29,7 @@ from yatt.actor import Client
 from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from yatt.transport import Transport
 
+
 @pytest.fixture
 async def transport() -> AsyncIterator[Transport]:
     """A fresh transport that must end the test with no socket open."""

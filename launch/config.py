@@ -58,6 +58,24 @@ class RunSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlurmSettings:
+    """A run on SLURM (``python -m launch slurm``): where it writes, which ports its head binds."""
+
+    run_root: str = "runs"
+    """Folder of the run dirs (``<run_root>/<time>``); on a cluster, shared storage every node mounts."""
+    head_port: int = 0
+    """First of 3 consecutive ports on the first node (registry, membership feed, torch.distributed store); 0: free ones."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.run_root), "run_root", "must name a folder (got an empty string)")
+        require(
+            self.head_port == 0 or 1024 <= self.head_port <= 65533,
+            "head_port",
+            f"must be 0 (free ports) or in 1024..65533 (got {self.head_port})",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything one run needs; each process takes only its own section."""
 
@@ -71,6 +89,30 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+
+    def __post_init__(self) -> None:
+        every, staleness = self.trainer.weight_sync_every, self.buffer.max_staleness
+        require(
+            staleness >= every - 1,
+            "trainer.weight_sync_every",
+            f"= {every} lets generators lag {every - 1} versions, more than buffer.max_staleness = {staleness}; "
+            f"raise buffer.max_staleness to {every - 1} or sync every step",
+        )
+
+
+def split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    """The optional config path (the first item without '=') and the overrides of a command line."""
+    config = None
+    overrides = []
+    for item in items:
+        if "=" in item:
+            overrides.append(item)
+        elif config is None:
+            config = item
+        else:
+            raise ConfigError(f"two config files given ({config}, {item}); overrides look like dotted.key=value")
+    return config, overrides
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -59,7 +59,7 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
     prompts = load_prompts(cfg.data, str(args.model_path))
     actor = Buffer(
         transport,
-        endpoint=f"tcp://{cfg.run.host}:*",
+        endpoint=f"tcp://{args.host}:*",
         config=cfg.buffer,
         num_prompts=len(prompts),
         num_shards=cfg.controller.num_controllers,
@@ -67,6 +67,7 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
         seed=cfg.run.seed,
         ledger_path=args.run_dir / "ledger.db",
         resume_from=args.resume,
+        total_steps=cfg.run.steps,
     )
     await _serve(actor, args.registry, stop)
 
@@ -86,7 +87,7 @@ async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Trans
             directory=directory,
             seed=cfg.run.seed,
         )
-        actor = ControllerActor(transport, endpoint=f"tcp://{cfg.run.host}:*", controller=controller)
+        actor = ControllerActor(transport, endpoint=f"tcp://{args.host}:*", controller=controller)
         await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
 
 
@@ -95,14 +96,14 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
     from workers.generator import Generator
 
     engine = await asyncio.to_thread(make_engine, str(args.model_path), cfg.generator, device=args.device, dtype=cfg.model.dtype)
-    actor = Generator(transport, endpoint=f"tcp://{cfg.run.host}:*", engine=engine, config=cfg.generator)
+    actor = Generator(transport, endpoint=f"tcp://{args.host}:*", engine=engine, config=cfg.generator)
     await _serve(actor, args.registry, stop)
 
 
 async def _reward(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from workers.reward import Reward
 
-    actor = Reward(transport, endpoint=f"tcp://{cfg.run.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path))
+    actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path))
     await _serve(actor, args.registry, stop)
 
 
@@ -113,7 +114,7 @@ async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transpor
         rank = await asyncio.to_thread(
             TrainerRank.create, cfg, run_dir=args.run_dir, model_path=args.model_path, resume=args.resume
         )
-        actor = rank.actor(transport, endpoint=f"tcp://{cfg.run.host}:*")
+        actor = rank.actor(transport, endpoint=f"tcp://{args.host}:*")
         await _serve(actor, args.registry, stop, until=lambda: rank.run(directory, stop))
 
 
@@ -129,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", type=Path, required=True, help="the resolved local model directory")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint dir to resume from")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--host", default=None, help="the address to bind on (default run.host; on SLURM its node's)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("YATT_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {args.role}-{args.index} %(levelname)s %(name)s: %(message)s",
     )
     cfg = load_run_config(args.run_dir / "config.yaml")
+    args.host = args.host or cfg.run.host
 
     async def run() -> None:
         stop = asyncio.Event()

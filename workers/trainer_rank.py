@@ -156,11 +156,12 @@ class TrainerRank:
         await asyncio.to_thread(dist.all_reduce, staleness)
         sync_start = time.perf_counter()
         version = self.trainer.step
-        buckets = await asyncio.to_thread(self._gather, version)
-        if self.rank == 0:
-            self._buckets = buckets
-            await self._push_all(directory)
-            await buffer.request(PolicyVersion(version=version), Ack)
+        if version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.run.steps:
+            buckets = await asyncio.to_thread(self._gather, version)
+            if self.rank == 0:
+                self._buckets = buckets
+                await self._push_all(directory)
+                await buffer.request(PolicyVersion(version=version), Ack)
         sync_s = time.perf_counter() - sync_start
         ckpt_start = time.perf_counter()
         every = self.cfg.trainer.checkpoint_every

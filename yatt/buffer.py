@@ -59,11 +59,18 @@ class Buffer(Actor):
         seed: int,
         ledger_path: Path,
         resume_from: Path | None = None,
+        total_steps: int | None = None,
     ) -> None:
         super().__init__(transport, endpoint=endpoint)
         self.ledger = Ledger(ledger_path)
         self.core = SamplingBuffer(
-            config, num_prompts=num_prompts, num_shards=num_shards, world_size=world_size, seed=seed, ledger=self.ledger
+            config,
+            num_prompts=num_prompts,
+            num_shards=num_shards,
+            world_size=world_size,
+            seed=seed,
+            ledger=self.ledger,
+            total_steps=total_steps,
         )
         if resume_from is not None:
             self.ledger.restore_from(resume_from / LEDGER_FILE)

@@ -200,6 +200,8 @@ class TrainerConfig:
     """Save a checkpoint every N steps; 0: only at the end."""
     weight_bucket_mb: float = 64.0
     """Size of one weight-update bucket sent to the generators."""
+    weight_sync_every: int = 1
+    """Publish weights to the generators every N steps (N > 1 needs buffer.max_staleness >= N - 1)."""
     critic_lr: float = 1e-5
     """PPO critic learning rate (advantage gae)."""
     seed: int = 0
@@ -214,6 +216,7 @@ class TrainerConfig:
         require(self.grad_clip >= 0, "grad_clip", f"must be >= 0, 0 for no clipping (got {self.grad_clip})")
         require(self.critic_lr > 0, "critic_lr", f"must be > 0 (got {self.critic_lr})")
         require(self.weight_bucket_mb > 0, "weight_bucket_mb", f"must be > 0 (got {self.weight_bucket_mb})")
+        require(self.weight_sync_every >= 1, "weight_sync_every", f"must be >= 1 (got {self.weight_sync_every})")
 
 
 @dataclass(frozen=True, kw_only=True)

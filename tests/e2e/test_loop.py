@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_run_config
+from tests.learning import assert_default_job_learned
 from yatt.data import DEFAULT_GENERATED
 from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
@@ -78,12 +79,7 @@ def test_default_job_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "default"
     finish(launch(run_dir), run_dir)
     rows = metrics(run_dir)
-    steps = load_run_config(None).run.steps
-    assert [int(r["step"]) for r in rows] == list(range(steps))
-    start = sum(r["reward/mean"] for r in rows[:3]) / 3
-    end = sum(r["reward/mean"] for r in rows[-3:]) / 3
-    assert end >= 3 * start, f"mean reward went from {start:.3f} to {end:.3f}"
-    assert (run_dir / "final" / "config.json").exists()
+    assert_default_job_learned(rows, run_dir)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
 

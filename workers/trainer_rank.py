@@ -180,6 +180,7 @@ class TrainerRank:
                 "tokens_per_s": tokens / step_s,
                 "staleness/mean": float(staleness[0]) / max(samples, 1.0),
                 "time/step_s": step_s,
+                "time/unix": time.time(),  # wall clock at the step's end (reward vs wall time)
                 "time/wait_for_buffer_s": wait[0],
                 "time/train_s": train_s - wait[0],
                 "time/weight_sync_s": sync_s,

@@ -50,6 +50,8 @@ class RunSettings:
     """How long the launcher waits for every role to report READY."""
     restart_limit: int = 5
     """Restarts of one controller, generator or reward process before the run fails."""
+    trace: bool = False
+    """Write every role's spans to <run_dir>/trace/<role>-<index>.jsonl (yatt.trace; for timelines)."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "steps", f"must be >= 1 (got {self.steps})")

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from launch.config import RunConfig, load_run_config
+from yatt import trace
 from yatt.actor import Actor
 from yatt.registry import Directory, Registration
 from yatt.transport import Transport
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = load_run_config(args.run_dir / "config.yaml")
     args.host = args.host or cfg.run.host
+    if cfg.run.trace:
+        trace.configure(args.run_dir / "trace" / f"{args.role}-{args.index}.jsonl")
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -33,6 +33,7 @@ from protocols.messages import (
     WeightUpdate,
 )
 from workers.engines.base import Engine, PromptRequest, Sample
+from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import GeneratorConfig
 from yatt.errors import ProtocolError
@@ -107,7 +108,8 @@ class Generator(Actor):
             version = self.version
             start = time.perf_counter()
             try:
-                results = await asyncio.to_thread(self.engine.generate, requests)
+                with trace.span("generate"):
+                    results = await asyncio.to_thread(self.engine.generate, requests)
             except Exception as e:  # one bad batch fails its requests, not the worker
                 for _, fut in batch:
                     if not fut.done():
@@ -140,7 +142,8 @@ class Generator(Actor):
 
         async with self._engine_lock:
             start = time.perf_counter()
-            await asyncio.to_thread(self.engine.update_weights, named())
+            with trace.span("weight_load"):
+                await asyncio.to_thread(self.engine.update_weights, named())
             self.sync_s += time.perf_counter() - start
             async with self._version_changed:
                 self.version = msg.version

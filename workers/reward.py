@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from protocols.messages import Message, Metrics, Query, ScoreRequest, Scores
 from workers.scorers import RewardMix, ScoreInput
+from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import RewardConfig
 from yatt.errors import ProtocolError
@@ -57,7 +58,8 @@ class Reward(Actor):
             for text, reason in zip(completions, msg.finish_reasons, strict=True)
         ]
         start = time.perf_counter()
-        results = await self.mix.score(inputs)
+        with trace.span("score"):
+            results = await self.mix.score(inputs)
         self.score_s += time.perf_counter() - start
         self.samples += len(results)
         self.failures += sum(bool(r.failure) for r in results)

@@ -81,7 +81,7 @@ from transformers import (
 )
 
 from protocols.messages import MicroBatch, WeightUpdate
-from yatt import rl_math
+from yatt import rl_math, trace
 from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError, YattError
 
@@ -204,6 +204,10 @@ class Trainer:
 
     def accumulate(self, mb: MicroBatch) -> None:
         """Forward and backward one micro-batch, adding its loss SUM's gradients."""
+        with trace.span("forward_backward"):
+            self._forward_backward(mb)
+
+    def _forward_backward(self, mb: MicroBatch) -> None:
         self._check(mb)
         start = time.perf_counter()
         ids = mb.input_ids.to(self.device, torch.int64)  # [B, T]
@@ -353,6 +357,10 @@ class Trainer:
 
     def finish_step(self) -> dict[str, float]:
         """Clip, step the optimizer(s) and schedules, zero the gradients; the step's metrics."""
+        with trace.span("optimizer"):
+            return self._finish_step()
+
+    def _finish_step(self) -> dict[str, float]:
         s = self.reduce_gradients()
         start = time.perf_counter()
         lr = float(self._trained["policy"][2].get_last_lr()[0])

@@ -42,6 +42,7 @@ from protocols.messages import (
     WeightUpdate,
 )
 from workers.trainer import Trainer
+from yatt import trace
 from yatt.actor import Actor, Client, handles
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
 from yatt.registry import Directory
@@ -132,6 +133,10 @@ class TrainerRank:
         dist.destroy_process_group()
 
     async def _step(self, buffer: Client, directory: Directory) -> None:
+        with trace.span("step"):
+            await self._run_step(buffer, directory)
+
+    async def _run_step(self, buffer: Client, directory: Directory) -> None:
         step = self.trainer.step
         loop = asyncio.get_running_loop()
         wait = [0.0]
@@ -144,7 +149,8 @@ class TrainerRank:
                 request = MicroBatchRequest(step=step, rank=self.rank, world_size=self.trainer.world_size, index=index)
                 # As long as generation takes: a dead buffer is noticed by its heartbeats (PeerLost).
                 waiting = buffer.request(request, MicroBatch, timeout=math.inf)
-                mb = asyncio.run_coroutine_threadsafe(waiting, loop).result()
+                with trace.span("wait_for_buffer"):
+                    mb = asyncio.run_coroutine_threadsafe(waiting, loop).result()
                 wait[0] += time.perf_counter() - start
                 real = mb.loss_mask.any(dim=1)
                 staleness.add_(torch.tensor(
@@ -160,16 +166,19 @@ class TrainerRank:
         sync_start = time.perf_counter()
         version = self.trainer.step
         if version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.run.steps:
-            buckets = await asyncio.to_thread(self._gather, version)
+            with trace.span("weight_gather"):
+                buckets = await asyncio.to_thread(self._gather, version)
             if self.rank == 0:
-                self._buckets = buckets
-                await self._push_all(directory)
-                await buffer.request(PolicyVersion(version=version), Ack)
+                with trace.span("weight_push"):
+                    self._buckets = buckets
+                    await self._push_all(directory)
+                    await buffer.request(PolicyVersion(version=version), Ack)
         sync_s = time.perf_counter() - sync_start
         ckpt_start = time.perf_counter()
         every = self.cfg.trainer.checkpoint_every
         if (every and version % every == 0) or version == self.cfg.run.steps:
-            await self._checkpoint(buffer, version)
+            with trace.span("checkpoint"):
+                await self._checkpoint(buffer, version)
         ckpt_s = time.perf_counter() - ckpt_start
         if self.rank == 0:
             step_s = time.perf_counter() - start

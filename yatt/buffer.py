@@ -31,6 +31,7 @@ from protocols.messages import (
     Query,
     ScoredGroup,
 )
+from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import BufferConfig
 from yatt.errors import ConfigError
@@ -86,7 +87,8 @@ class Buffer(Actor):
 
     @handles(ScoredGroup)
     async def offer(self, msg: ScoredGroup) -> Ack:
-        decision = self.core.offer(msg)
+        with trace.span("offer"):
+            decision = self.core.offer(msg)
         self._decisions[decision] = self._decisions.get(decision, 0) + 1
         await self._notify()
         return Ack(info={"decision": decision})

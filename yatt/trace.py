@@ -1,0 +1,103 @@
+"""Spans: what a role process was doing, and when, for timelines and stage breakdowns.
+
+With ``run.trace: true`` every role process writes one JSON line per span to
+``<run_dir>/trace/<role>-<index>.jsonl``::
+
+    {"kind": "generate", "start": 1764690000.123, "duration": 0.181}
+    {"kind": "_cpu", "start": 1764690000.5, "cpu_s": 7.25}   (every CPU_SAMPLE_S: the process's CPU so far)
+    ...
+    {"kind": "_process", "cpu_s": 12.3, "wall_s": 40.1}      (at exit)
+
+``start`` is the wall clock (``time.time()``), so the files of all processes of one
+machine line up on one axis (across SLURM nodes only as well as their clocks agree).
+Spans of one kind may overlap inside a process (concurrent requests); readers take the
+union. Off (the default), ``span`` costs one attribute check.
+
+Kinds written (``benchmarks/stages.py`` reads them): generator ``generate`` (inside
+the engine) and ``weight_load``; reward ``score`` (inside the scorers); buffer ``offer``
+(a decision, ledger fsync included); trainer ranks ``wait_for_buffer``,
+``forward_backward``, ``optimizer`` (gradient reduction, clip, step), ``weight_gather``,
+``weight_push`` (rank 0: buckets to every generator, then the new version to the
+buffer), ``checkpoint`` and ``step`` (one trainer step, end to end).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+CPU_SAMPLE_S = 0.5
+"""How often a traced process writes its CPU time (user + system, this process's threads)."""
+
+_lock = threading.Lock()
+_file: IO[str] | None = None
+_wall0 = time.time()
+_sampler: threading.Thread | None = None
+
+
+def configure(path: Path | None) -> None:
+    """Start writing this process's spans to ``path`` (appending); ``None`` turns tracing off."""
+    global _file, _sampler
+    with _lock:
+        if _file is not None:
+            _file.close()
+            _file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _file = path.open("a", buffering=1)  # line-buffered: a killed process loses at most a line
+            if _sampler is None:
+                _sampler = threading.Thread(target=_sample_cpu, name="yatt-trace-cpu", daemon=True)
+                _sampler.start()
+
+
+def _sample_cpu() -> None:
+    while True:
+        with _lock:
+            if _file is not None:
+                _file.write(json.dumps({"kind": "_cpu", "start": round(time.time(), 6), "cpu_s": round(time.process_time(), 6)}) + "\n")
+        time.sleep(CPU_SAMPLE_S)
+
+
+def enabled() -> bool:
+    return _file is not None
+
+
+def record(kind: str, start: float, duration: float) -> None:
+    """Write one span that started at wall-clock ``start`` and lasted ``duration`` seconds."""
+    if _file is None:
+        return
+    line = json.dumps({"kind": kind, "start": round(start, 6), "duration": round(duration, 6)})
+    with _lock:
+        if _file is not None:
+            _file.write(line + "\n")
+
+
+@contextmanager
+def span(kind: str) -> Iterator[None]:
+    """Time the body as one span of ``kind`` (also across ``await`` and in threads)."""
+    if _file is None:
+        yield
+        return
+    start, t0 = time.time(), time.perf_counter()
+    try:
+        yield
+    finally:
+        record(kind, start, time.perf_counter() - t0)
+
+
+@atexit.register
+def _close() -> None:
+    global _file
+    with _lock:
+        if _file is None:
+            return
+        cpu = time.process_time()
+        _file.write(json.dumps({"kind": "_process", "cpu_s": round(cpu, 6), "wall_s": round(time.time() - _wall0, 6)}) + "\n")
+        _file.close()
+        _file = None

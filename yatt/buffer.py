@@ -63,7 +63,7 @@ class Buffer(Actor):
         total_steps: int | None = None,
     ) -> None:
         super().__init__(transport, endpoint=endpoint)
-        self.ledger = Ledger(ledger_path)
+        self.ledger = Ledger(ledger_path, group_commit=True)
         self.core = SamplingBuffer(
             config,
             num_prompts=num_prompts,
@@ -80,6 +80,22 @@ class Buffer(Actor):
         self._trainer_wait_s = 0.0
         self._controller_wait_s = 0.0
         self._decisions: dict[str, int] = {}
+        self._commit: asyncio.Task[None] | None = None
+
+    async def _durable(self) -> None:
+        """Return once every decision made so far is committed. Handlers that decided in the
+        same turn of the event loop share one commit (one fsync) before any of them replies."""
+        if not self.ledger.pending:
+            return
+        if self._commit is None:
+            self._commit = asyncio.get_running_loop().create_task(self._group_commit())
+        await asyncio.shield(self._commit)
+
+    async def _group_commit(self) -> None:
+        await asyncio.sleep(0)  # let the handlers already woken decide first
+        self._commit = None
+        with trace.span("ledger_commit"):
+            self.ledger.commit()
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -90,6 +106,7 @@ class Buffer(Actor):
         with trace.span("offer"):
             decision = self.core.offer(msg)
         self._decisions[decision] = self._decisions.get(decision, 0) + 1
+        await self._durable()  # the ledger has it before anyone hears of it
         await self._notify()
         return Ack(info={"decision": decision})
 
@@ -138,6 +155,7 @@ class Buffer(Actor):
     @handles(PolicyVersion)
     async def version(self, msg: PolicyVersion) -> Ack:
         self.core.publish_version(msg.version)
+        await self._durable()
         await self._notify()
         return Ack(seq=msg.version)
 

@@ -15,10 +15,11 @@ union. Off (the default), ``span`` costs one attribute check.
 
 Kinds written (``benchmarks/stages.py`` reads them): generator ``generate`` (inside
 the engine) and ``weight_load``; reward ``score`` (inside the scorers); buffer ``offer``
-(a decision, ledger fsync included); trainer ranks ``wait_for_buffer``,
-``forward_backward``, ``optimizer`` (gradient reduction, clip, step), ``weight_gather``,
-``weight_push`` (rank 0: buckets to every generator, then the new version to the
-buffer), ``checkpoint`` and ``step`` (one trainer step, end to end).
+(a decision) and ``ledger_commit`` (one fsync for the decisions of one turn); trainer
+ranks ``wait_for_buffer``, ``forward_backward``, ``optimizer`` (gradient reduction,
+clip, step), ``weight_gather``, ``weight_push`` (rank 0: buckets to every generator,
+then the new version to the buffer), ``checkpoint`` and ``step`` (one trainer step, end
+to end).
 """
 
 from __future__ import annotations

@@ -206,6 +206,53 @@ def test_seeds_reproduce_samples(engine: Engine) -> None:
     assert [s.token_ids for s in alone] == [s.token_ids for s in batched]
     reseeded = PromptRequest(prompt_ids=PROMPTS[1], n=3, sampling=sp(max_new_tokens=10, seed=8))
     assert [s.token_ids for s in engine.generate([reseeded])[0]] != [s.token_ids for s in alone]
+    # Seeded neighbours (one generate call for all of them on transformers) change nothing either.
+    neighbours = [PromptRequest(prompt_ids=PROMPTS[0], n=2, sampling=sp(max_new_tokens=10, seed=s)) for s in (1, 2)]
+    assert [s.token_ids for s in engine.generate([neighbours[0], seeded, neighbours[1]])[1]] == [
+        s.token_ids for s in alone
+    ]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "want"),
+    [
+        (1.0, 0, 1.0, [1 / 6, 2 / 6, 3 / 6, 0.0]),  # softmax of log([1, 2, 3, 0])
+        (0.5, 0, 1.0, [1 / 14, 4 / 14, 9 / 14, 0.0]),  # p ~ exp(logit / T) = [1, 2, 3]^2
+        (1.0, 2, 1.0, [0.0, 2 / 5, 3 / 5, 0.0]),  # top-2 renormalised
+        (1.0, 0, 0.5, [0.0, 0.0, 1.0, 0.0]),  # the top token alone holds >= half the mass
+    ],
+)
+def test_row_sampler_draws_from_the_tempered_truncated_softmax(
+    temperature: float, top_k: int, top_p: float, want: list[float]
+) -> None:
+    """HFEngine samples by Gumbel-max with one RNG per row: argmax of what _RowSampler
+    returns must be distributed as softmax(logits / T) after top-k / top-p."""
+    from workers.engines.hf import _RowSampler
+
+    rows, draws = 64, 300
+    sampler = _RowSampler(list(range(rows)), temperature=temperature, top_k=top_k, top_p=top_p, device=torch.device("cpu"))
+    logits = torch.log(torch.tensor([1.0, 2.0, 3.0, 0.0])).expand(rows, 4)  # [R, V]; token 3 never
+    ids = torch.zeros((rows, 1), dtype=torch.long)
+    counts = torch.zeros(4)
+    for _ in range(draws):
+        counts += torch.bincount(sampler(ids, logits.clone()).argmax(-1), minlength=4)  # type: ignore[arg-type]
+    freq = counts / (rows * draws)
+    # 19,200 draws: one standard error is <= 0.0036; allow about 5.
+    assert freq.tolist() == pytest.approx(want, abs=0.02)
+    assert freq[3] == 0
+
+
+def test_row_sampler_rows_depend_on_their_own_seed_only() -> None:
+    from workers.engines.hf import _RowSampler
+
+    logits = torch.zeros((3, 50))
+    ids = torch.zeros((3, 1), dtype=torch.long)
+    a = _RowSampler([7, 8, 9], temperature=1.0, top_k=0, top_p=1.0, device=torch.device("cpu"))
+    b = _RowSampler([5, 8, 6], temperature=1.0, top_k=0, top_p=1.0, device=torch.device("cpu"))
+    draws_a = [a(ids, logits.clone()).argmax(-1) for _ in range(20)]  # type: ignore[arg-type]
+    draws_b = [b(ids, logits.clone()).argmax(-1) for _ in range(20)]  # type: ignore[arg-type]
+    assert [d[1] for d in draws_a] == [d[1] for d in draws_b]  # same seed, same draws
+    assert [d[0] for d in draws_a] != [d[0] for d in draws_b]
 
 
 def test_greedy_is_deterministic_and_argmax(engine: Engine, backend: str, reference: PreTrainedModel) -> None:

@@ -2,10 +2,11 @@
 
 It is the engine that runs everywhere (CI, a CPU-only box, a GPU without vLLM) and the
 reference the vLLM engine is checked against. Requests with equal sampling parameters go
-into one ``generate`` call (prompts left-padded, each repeated ``n`` times). A request
-with a seed gets a call of its own, seeded, so its samples do not depend on what else
-was batched with it; requests without one draw their seeds from one stream seeded by
-``GeneratorConfig.seed``, so a whole run is reproducible too.
+into one ``generate`` call (prompts left-padded, each repeated ``n`` times), seeded or
+not. Every row samples with an RNG of its own, seeded from its request's seed and its
+index in the request (``_RowSampler``, the Gumbel-max trick), so a seeded request's
+samples do not depend on what else was batched with it; requests without a seed draw one
+from a stream seeded by ``GeneratorConfig.seed``, so a whole run is reproducible too.
 
 Logprobs come from ``output_logits=True``: the raw logits of every step (before any
 temperature, top-k or top-p warper), then ``log_softmax(logits / temperature)`` gathered
@@ -15,14 +16,15 @@ holds those logits for the whole call, rows x new tokens x vocab x 4 bytes.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from protocols.messages import SamplingParams
 from workers.engines.base import (
     DType,
     PromptRequest,
@@ -35,8 +37,42 @@ from workers.engines.base import (
 from yatt.config import GeneratorConfig
 from yatt.errors import Closed, ConfigError
 
-# What requests must share to go into one generate call: n and every sampling parameter.
+# What requests must share to go into one generate call: every sampling parameter but the seed.
 _GroupKey = tuple[object, ...]
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The RNG seed of sample ``index`` of a request seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class _RowSampler(LogitsProcessor):
+    """Samples every row from softmax(scores / T), after top-k and top-p, with the row's own
+    RNG. Gumbel-max: argmax(scores / T + G), G standard Gumbel noise, is exactly such a
+    sample, so ``generate`` runs greedy over what this returns, and a row's draws depend on
+    its seed and its own logits only, never on its batch neighbours."""
+
+    def __init__(self, seeds: list[int], *, temperature: float, top_k: int, top_p: float, device: torch.device) -> None:
+        self._generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self._temperature = temperature
+        self._warpers: list[LogitsProcessor] = []
+        if top_k > 0:
+            self._warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            self._warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scaled: Any = scores.float() / self._temperature  # [R, V]
+        for warper in self._warpers:
+            scaled = warper(input_ids, scaled)  # masked tokens: -inf
+        vocab = scaled.shape[-1]
+        uniform = torch.stack(
+            [torch.rand(vocab, generator=g, device=scaled.device) for g in self._generators]
+        )  # [R, V] in [0, 1)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
+        out: torch.FloatTensor = scaled + gumbel
+        return out
 
 
 def _as_list(ids: int | list[int] | None) -> list[int]:
@@ -86,58 +122,58 @@ class HFEngine:
         groups: dict[_GroupKey, list[int]] = {}
         for i, req in enumerate(requests):
             sp = req.sampling
-            # Seeded requests never share a call: batch neighbours would shift their RNG draws.
-            key: _GroupKey = (
-                req.n, sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens,
-                tuple(sp.stop_token_ids), i if sp.seed is not None else -1,
-            )  # fmt: skip
+            key: _GroupKey = (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, tuple(sp.stop_token_ids))
             groups.setdefault(key, []).append(i)
+        seeds = [r.sampling.seed if r.sampling.seed is not None else self._seeds.getrandbits(63) for r in requests]
         results: list[list[Sample]] = [[] for _ in requests]
         for indices in groups.values():
-            first = requests[indices[0]]
-            seed = first.sampling.seed if first.sampling.seed is not None else self._seeds.getrandbits(63)
-            samples = self._generate_group(
-                [requests[i].prompt_ids for i in indices], first.n, first.sampling, seed
-            )
+            samples = self._generate_group([requests[i] for i in indices], [seeds[i] for i in indices])
             for i, group_samples in zip(indices, samples, strict=True):
                 results[i] = group_samples
         return results
 
     @torch.no_grad()
-    def _generate_group(
-        self, prompts: list[list[int]], n: int, sp: SamplingParams, seed: int
-    ) -> list[list[Sample]]:
-        """One ``generate`` call for prompts that share ``n`` and ``sp``."""
+    def _generate_group(self, requests: list[PromptRequest], seeds: list[int]) -> list[list[Sample]]:
+        """One ``generate`` call for requests that share their sampling parameters."""
         model = self._live_model()
+        sp = requests[0].sampling
         greedy = is_greedy(sp)
         # Greedy samples are identical: decode each prompt once and copy it n times.
-        rows_per_prompt = 1 if greedy else n
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)  # [P, T]
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [P, T]
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        input_ids = input_ids.repeat_interleave(rows_per_prompt, dim=0).to(self._device)  # [R, T]
-        attention_mask = attention_mask.repeat_interleave(rows_per_prompt, dim=0).to(self._device)
+        rows = [1 if greedy else r.n for r in requests]
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((sum(rows), width), self._pad_id, dtype=torch.long)  # [R, T]
+        attention_mask = torch.zeros((sum(rows), width), dtype=torch.long)  # [R, T]
+        first_row = [sum(rows[:p]) for p in range(len(requests))]
+        for p, req in enumerate(requests):
+            span = slice(first_row[p], first_row[p] + rows[p])
+            input_ids[span, width - len(req.prompt_ids) :] = torch.tensor(req.prompt_ids, dtype=torch.long)
+            attention_mask[span, width - len(req.prompt_ids) :] = 1
         stop_ids = sorted(set(self._eos_ids) | set(sp.stop_token_ids))
         gen_config = GenerationConfig(  # type: ignore[no-untyped-call]
-            do_sample=not greedy,
-            temperature=1.0 if greedy else sp.temperature,
-            top_p=1.0 if greedy else sp.top_p,
-            top_k=0 if greedy or sp.top_k == -1 else sp.top_k,  # 0 disables transformers' top-k
+            do_sample=False,  # greedy over _RowSampler's noisy scores = sampling
             max_new_tokens=sp.max_new_tokens,
             eos_token_id=stop_ids or None,
             pad_token_id=self._pad_id,
             return_dict_in_generate=True,
             output_logits=True,
         )
-        # Seed a fork of the RNG so the caller's global RNG state is left as it was.
-        with torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config
+        processors = LogitsProcessorList()
+        if not greedy:
+            processors.append(
+                _RowSampler(
+                    [row_seed(seed, k) for seed, n in zip(seeds, rows, strict=True) for k in range(n)],
+                    temperature=sp.temperature,
+                    top_k=0 if sp.top_k == -1 else sp.top_k,
+                    top_p=sp.top_p,
+                    device=self._device,
+                )
             )
+        out = model.generate(
+            input_ids=input_ids.to(self._device),
+            attention_mask=attention_mask.to(self._device),
+            generation_config=gen_config,
+            logits_processor=processors,
+        )
         new_tokens = out.sequences[:, width:]  # [R, L] int64, pad after a row's stop token
         temperature = 1.0 if greedy else sp.temperature
         logprobs = torch.stack(
@@ -151,10 +187,10 @@ class HFEngine:
         ).cpu()  # [R, L] float32
         stop_set = set(stop_ids)
         samples: list[list[Sample]] = []
-        for p in range(len(prompts)):
+        for p, req in enumerate(requests):
             group = []
-            for k in range(n):
-                r = p * rows_per_prompt + (0 if greedy else k)
+            for k in range(req.n):
+                r = first_row[p] + (0 if greedy else k)
                 tokens = new_tokens[r].tolist()
                 # Cut after the first stop token: what follows is padding.
                 end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop_set), None)

@@ -91,3 +91,29 @@ async def test_mismatched_shards_and_world_size_are_named(transport: Transport, 
         # The buffer keeps serving after the bad request.
         plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
         assert plan.keys
+
+
+async def test_every_ack_comes_after_its_decision_is_on_disk(transport: Transport, tmp_path: Path) -> None:
+    """Offers that arrive together share a commit (group commit), and none is acknowledged
+    before the ledger file holds it: what another process reads after each Ack."""
+    import sqlite3
+
+    def on_disk() -> int:
+        db = sqlite3.connect(tmp_path / "a.db")
+        try:
+            return int(db.execute("SELECT COUNT(*) FROM decisions WHERE status = 'accepted'").fetchone()[0])
+        finally:
+            db.close()
+
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        plans = [
+            await client.request(PlanRequest(shard=s, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan) for s in (0, 1)
+        ]
+        keys = [k for p in plans for k in p.keys]
+        offers = [asyncio.ensure_future(client.request(make_group(key, 0), Ack)) for key in keys]
+        acked = 0
+        for done in asyncio.as_completed(offers):
+            assert (await done).info["decision"] == "accepted"
+            acked += 1
+            assert on_disk() >= acked
+        assert on_disk() == len(keys) == 4

@@ -475,35 +475,55 @@ class Trainer:
         ``bucket_bytes`` (one tensor larger than that travels alone); collective.
 
         Rank 0 yields every bucket; the other ranks yield nothing but must exhaust the
-        iterator too, since each tensor is gathered with a collective. Only one parameter
-        is unsharded at a time, and rank 0 holds at most one bucket.
+        iterator too. Each FSDP module (a decoder layer, then the root) is unsharded with
+        one all-gather for all its parameters (``FSDPModule.unshard``) and resharded at
+        once, so only one layer is ever full, and rank 0 holds at most one bucket more.
         """
         if bucket_bytes < 1:
             raise ConfigError(f"trainer.weight_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
-        sharded = cast(
-            dict[str, Tensor], get_model_state_dict(self.policy)
-        )  # name -> DTensor shard, nothing gathered
-        seen: set[int] = set()
-        named: list[tuple[str, Tensor]] = []
-        for name, tensor in sharded.items():
-            if id(tensor) not in seen:  # tied weights travel once, under their first name
-                seen.add(id(tensor))
-                named.append((name, tensor))
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        plan = _plan_buckets([(name, t.numel() * itemsize) for name, t in named], bucket_bytes)
-        tensors = dict(named)
-        for index, names in enumerate(plan):
-            gathered = []
-            for name in names:
-                t = tensors[name]
-                full = t.full_tensor() if isinstance(t, DTensor) else t
-                if self.rank == 0:
-                    gathered.append(full.to("cpu", self.compute_dtype))
-                del full
+        sizes = [(name, numel * itemsize) for name, numel in self._policy_tensor_sizes()]
+        plan = _plan_buckets(sizes, bucket_bytes)
+        gathered: dict[str, Tensor] = {}
+        index = 0
+        for name, full in self._policy_tensors(full=True):
             if self.rank == 0:
-                yield WeightUpdate(
-                    version=version, bucket_index=index, num_buckets=len(plan), names=names, tensors=gathered
-                )
+                gathered[name] = full.to("cpu", self.compute_dtype, copy=True)  # FSDP frees `full` next
+            while self.rank == 0 and index < len(plan) and all(n in gathered for n in plan[index]):
+                names = plan[index]
+                tensors = [gathered.pop(n) for n in names]
+                yield WeightUpdate(version=version, bucket_index=index, num_buckets=len(plan), names=names, tensors=tensors)
+                index += 1
+
+    def _policy_tensor_sizes(self) -> list[tuple[str, int]]:
+        """(HF name, element count) of every tensor the generators load, in the order
+        ``_policy_tensors(full=True)`` yields them; nothing is gathered."""
+        return [(name, tensor.numel()) for name, tensor in self._policy_tensors(full=False)]
+
+    def _policy_tensors(self, *, full: bool) -> Iterator[tuple[str, Tensor]]:
+        """The policy's tensors in HF naming: each decoder layer's parameters, then the
+        root's own (tied weights once, under their first name), then any other state-dict
+        tensor (persistent buffers). ``full``: unsharded, a collective; each tensor is valid
+        only until the next one is asked for (its module is resharded then)."""
+        modules = [(prefix, m) for prefix, m in self.policy.named_modules() if isinstance(m, FSDPModule)]
+        modules = modules[1:] + modules[:1]  # the root (first in named_modules) owns what is left
+        seen: set[str] = set()
+        for prefix, module in modules:
+            if full:
+                module.unshard()  # one all-gather for all of this module's parameters
+            try:
+                for name, param in module.named_parameters(prefix=prefix):  # type: ignore[attr-defined]
+                    clean = name.replace(_WRAPPED, "")
+                    if clean not in seen:
+                        seen.add(clean)
+                        yield clean, param.detach()
+            finally:
+                if full:
+                    module.reshard()
+        params = {n.replace(_WRAPPED, "") for n, _ in self.policy.named_parameters(remove_duplicate=False)}
+        for name, tensor in cast(dict[str, Tensor], get_model_state_dict(self.policy)).items():
+            if name not in params:  # a buffer (every parameter, tied aliases too, is in params)
+                yield name, (tensor.full_tensor() if full and isinstance(tensor, DTensor) else tensor)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -573,6 +593,10 @@ def _step(module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Lambda
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+_WRAPPED = "_checkpoint_wrapped_module."
+"""The name part activation checkpointing adds to a layer's parameters (HF names lack it)."""
 
 
 def _plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:

@@ -54,6 +54,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 _NUMPY_NAMES: dict[np.dtype[Any], str] = {
     np.dtype(name): name for name in _TORCH_DTYPES if name != "bfloat16"
 }
+_NUMPY_VIEWABLE = frozenset(dt for name, dt in _TORCH_DTYPES.items() if name != "bfloat16")
 
 _KINDS: dict[bytes, type[Message]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 assert len(_KINDS) == len(MESSAGE_TYPES), "two message types share a KIND"
@@ -244,13 +245,17 @@ def _encode_tensor(value: Any, tensors: list[memoryview], path: str) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dtype not in _DTYPE_NAMES:
             raise ProtocolError(f"{path}: tensor dtype {value.dtype} cannot travel")
-        t = value.detach()
+        t = value.detach() if value.requires_grad else value
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.contiguous()
+        if not t.is_contiguous():
+            t = t.contiguous()
         dtype, shape = _DTYPE_NAMES[t.dtype], list(t.shape)
-        # A uint8 numpy view shares the tensor's memory and keeps it alive until sent.
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
+        # A byte view of the tensor's memory (no copy); it keeps the tensor alive until sent.
+        if t.dtype in _NUMPY_VIEWABLE:
+            data = t.numpy().reshape(-1).data.cast("B")
+        else:  # numpy has no bfloat16: view the bytes in torch first
+            data = memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
     elif isinstance(value, np.ndarray):
         if value.dtype not in _NUMPY_NAMES:
             raise ProtocolError(f"{path}: array dtype {value.dtype} cannot travel")
@@ -279,7 +284,7 @@ def _decode_tensor(value: Any, frames: Sequence[memoryview], used: list[bool], p
     used[index] = True
     frame = frames[index]
     numel = math.prod(shape)
-    expected = numel * torch.empty((), dtype=dtype).element_size()
+    expected = numel * dtype.itemsize
     if frame.nbytes != expected:
         raise ProtocolError(
             f"{path}: tensor {dtype_name}{shape} needs {expected} bytes, its frame has {frame.nbytes}"

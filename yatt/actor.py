@@ -502,7 +502,9 @@ class Client:
     def _fail_all(self, error: PeerLost | Closed) -> None:
         if isinstance(error, PeerLost):
             self._lost = error
-            logger.warning("%s; failing %d in-flight request(s)", error, len(self._pending))
+            # A peer that leaves with nothing in flight (e.g. at the end of a run) is news, not trouble.
+            level = logging.WARNING if self._pending else logging.INFO
+            logger.log(level, "%s; failing %d in-flight request(s)", error, len(self._pending))
         pending = list(self._pending.values())
         self._pending.clear()
         for fut in pending:

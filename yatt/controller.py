@@ -219,7 +219,8 @@ class Controller:
         last: Exception | None = None
         for _ in range(self.config.max_attempts):
             try:
-                await self.directory.wait_until(lambda d: bool(d.members(role)), timeout=self.config.request_timeout_s)
+                if not self.directory.members(role):
+                    await self.directory.wait_until(lambda d: bool(d.members(role)), timeout=self.config.request_timeout_s)
                 client = self.directory.pick(role)
                 return await client.request(msg, expect, timeout=deadline)
             except (PeerLost, RequestTimeout, TransportError) as e:

@@ -110,6 +110,18 @@ def role_counts(cfg: RunConfig) -> dict[str, int]:
     }
 
 
+def role_threads(cfg: RunConfig, role: str) -> int:
+    """CPU threads of one role process. The generators and the trainer ranks compute (on a
+    CPU machine each may use its share of the cores: on-policy they take turns); the
+    buffer, controllers and reward workers move messages and run Python: one thread."""
+    cores = len(os.sched_getaffinity(0))
+    if role == "generator":
+        return cfg.generator.threads or max(1, cores // cfg.run.num_generators)
+    if role == "trainer":
+        return cfg.trainer.threads or max(1, cores // cfg.trainer.world_size)
+    return 1
+
+
 class LocalLauncher:
     """Starts, watches and stops one run's processes on this machine.
 
@@ -196,7 +208,7 @@ class LocalLauncher:
     def role_env(self, role: str, index: int) -> dict[str, str]:
         """The environment of one role process (a trainer rank's torch.distributed variables)."""
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # many processes share the cores
+        env["OMP_NUM_THREADS"] = str(role_threads(self.cfg, role))
         env["PYTHONUNBUFFERED"] = "1"
         if role == "trainer":
             env.update(

@@ -3,8 +3,8 @@
 Why an actor around the engine: requests arrive one group at a time from several
 controllers, but engines are fast only on batches, and weights must change only between
 engine calls. So requests queue, a batching loop hands up to ``max_batch_prompts`` of
-them (waiting ``batch_wait_ms`` for company) to one engine call in a thread, and a weight
-update waits for the engine lock::
+them (waiting ``batch_wait_ms``, or ``batch_wait_share`` of the last call if longer, for
+company) to one engine call in a thread, and a weight update waits for the engine lock::
 
     controllers --GenerateRequest--> queue --(batch)--> engine.generate (thread) --> Completions
     trainer 0   --WeightUpdate buckets--> (all buckets of version v) --lock--> engine.update_weights
@@ -67,6 +67,7 @@ class Generator(Actor):
         self.sync_s = 0.0  # time inside engine.update_weights
         self.tokens = 0
         self.batches = 0
+        self._last_call_s = 0.0
 
     async def on_start(self) -> None:
         self.spawn(self._batching(), name="batching")
@@ -87,7 +88,8 @@ class Generator(Actor):
         max_batch = self.gen_config.max_batch_prompts
         while True:
             batch = [await self._queue.get()]
-            deadline = time.monotonic() + self.gen_config.batch_wait_ms / 1000
+            wait_s = max(self.gen_config.batch_wait_ms / 1000, self.gen_config.batch_wait_share * self._last_call_s)
+            deadline = time.monotonic() + wait_s
             while len(batch) < max_batch:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0 and self._queue.empty():
@@ -115,7 +117,8 @@ class Generator(Actor):
                     if not fut.done():
                         fut.set_exception(e)
                 return
-            self.generate_s += time.perf_counter() - start
+            self._last_call_s = time.perf_counter() - start
+            self.generate_s += self._last_call_s
         self.batches += 1
         for (msg, fut), samples in zip(batch, results, strict=True):
             self.tokens += sum(len(s.token_ids) for s in samples)

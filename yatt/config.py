@@ -33,7 +33,10 @@ class GeneratorConfig:
     max_batch_prompts: int = 64
     """Most prompts (groups) batched into one engine call."""
     batch_wait_ms: float = 5.0
-    """How long to wait for more concurrent requests before an engine call."""
+    """How long to wait for more concurrent requests before an engine call (at least)."""
+    batch_wait_share: float = 0.05
+    """...or this share of the last engine call, if longer: a request that just misses a
+    call waits for the whole next one, so on slow engines company is worth a longer wait."""
     vllm_kv_cache_gib: float = 1.0
     """vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -44,10 +47,14 @@ class GeneratorConfig:
     """vLLM: skip torch.compile and CUDA graphs (starts 40 s faster on CPU, decodes slower)."""
     seed: int = 0
     """Base sampling seed when a request carries none."""
+    threads: int = 0
+    """CPU threads of the engine (OMP_NUM_THREADS); 0: this machine's cores / run.num_generators."""
 
     def __post_init__(self) -> None:
+        require(self.threads >= 0, "threads", f"must be >= 0, 0 for the cores / generators (got {self.threads})")
         require(self.max_batch_prompts >= 1, "max_batch_prompts", f"must be >= 1 (got {self.max_batch_prompts})")
         require(self.batch_wait_ms >= 0, "batch_wait_ms", f"must be >= 0 (got {self.batch_wait_ms})")
+        require(0 <= self.batch_wait_share <= 1, "batch_wait_share", f"must be in [0, 1] (got {self.batch_wait_share})")
         require(
             self.vllm_kv_cache_gib >= 1 and float(self.vllm_kv_cache_gib).is_integer(),
             "vllm_kv_cache_gib",
@@ -206,8 +213,11 @@ class TrainerConfig:
     """PPO critic learning rate (advantage gae)."""
     seed: int = 0
     """Seed of parameter init (tiny models) and dropout."""
+    threads: int = 0
+    """CPU threads of each rank (OMP_NUM_THREADS); 0: this machine's cores / world_size."""
 
     def __post_init__(self) -> None:
+        require(self.threads >= 0, "threads", f"must be >= 0, 0 for the cores / world size (got {self.threads})")
         require(self.world_size >= 1, "world_size", f"must be >= 1 (got {self.world_size})")
         require(self.lr > 0, "lr", f"must be > 0 (got {self.lr})")
         require(len(self.betas) == 2, "betas", f"must be two numbers (got {self.betas})")

@@ -5,6 +5,7 @@ trainer after which the generator's logprobs match the trainer's own."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -76,6 +77,29 @@ async def test_two_clients_at_once_are_batched(transport: Transport, tiny_model_
             assert 1 <= len(c.token_ids) <= 6 and c.logprobs.shape == c.token_ids.shape
             assert c.policy_version_min == c.policy_version_max == 0
     assert gen.batches < 8, "concurrent requests from two clients were not batched"
+
+
+async def test_a_slow_engine_waits_longer_for_company(transport: Transport, tiny_model_dir: Path) -> None:
+    """After a 1 s engine call, a request 100 ms behind another still joins its call
+    (batch_wait_share 0.2 of the last call: 200 ms), though batch_wait_ms is 5."""
+    from workers.engines.hf import HFEngine
+
+    class SlowEngine(HFEngine):  # the real engine, one second slower per call
+        def generate(self, requests):  # type: ignore[no-untyped-def]
+            time.sleep(1.0)
+            return super().generate(requests)
+
+    config = GeneratorConfig(batch_wait_ms=5, batch_wait_share=0.2)
+    engine = await asyncio.to_thread(SlowEngine, str(tiny_model_dir), config)
+    async with Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen:
+        async with Client(transport, gen.endpoint) as client:
+            await client.request(request(0), Completions, timeout=300)  # the 1 s call it learns from
+            assert gen.batches == 1
+            first = asyncio.ensure_future(client.request(request(1), Completions, timeout=300))
+            await asyncio.sleep(0.1)
+            second = asyncio.ensure_future(client.request(request(2), Completions, timeout=300))
+            await asyncio.gather(first, second)
+            assert gen.batches == 2, "the late request got an engine call of its own"
 
 
 async def test_on_policy_request_waits_for_its_version(transport: Transport, tiny_model_dir: Path) -> None:

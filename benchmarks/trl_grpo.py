@@ -1,0 +1,175 @@
+"""The TRL side of the e2e benchmark: one GRPO job with TRL's ``GRPOTrainer``, in a process
+of its own so the parent measures it (time, memory of its tree) as it measures a yatt job::
+
+    python -m benchmarks.trl_grpo SPEC.json OUT_DIR
+
+SPEC.json holds a ``TrlSpec`` (every setting comes from the yatt run config it is compared
+with; ``benchmarks/e2e.py`` derives it). The job writes ``OUT_DIR/metrics.jsonl``, one line
+per optimizer step with yatt's keys where they exist::
+
+    step, time/unix (the step's end), time/step_s, reward/mean,
+    samples, tokens (completion tokens generated in the step), samples_per_s, tokens_per_s
+
+A ``TrainerCallback`` times each step from ``on_step_begin`` to ``on_step_end`` (one
+optimizer step: one generation of prompts_per_step x group_size completions, then
+micro_batches forward/backward passes) and takes the step's ``reward`` and
+``completions/mean_length`` from the log TRL writes after it (``logging_steps=1``).
+
+The process uses every core (``torch.set_num_threads(os.cpu_count())``): TRL trains,
+generates and scores in this one process, while yatt's launcher gives each of its role
+processes one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from yatt.configtools import build
+from yatt.tasks import digits_reward
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrlSpec:
+    """One TRL GRPO job (JSON in SPEC.json)."""
+
+    model_dir: str
+    """A saved Hugging Face model directory (model and tokenizer)."""
+    prompts: list[str]
+    """Prompt texts, chat template applied (TRL tokenizes them as plain text)."""
+    answers: list[str]
+    """metadata["answer"] of each prompt, for the reward."""
+    prompts_per_step: int
+    group_size: int
+    micro_batches: int
+    """Gradient accumulation steps per optimizer step."""
+    max_new_tokens: int
+    lr: float
+    betas: list[float]
+    weight_decay: float
+    clip_low: float
+    clip_high: float
+    grad_clip: float
+    temperature: float
+    top_p: float
+    steps: int
+    seed: int
+    threads: int = 0
+    """torch threads; 0: os.cpu_count()."""
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+
+def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
+    """yatt's digits reward in TRL's reward-function form (dataset columns as keyword lists)."""
+    return [digits_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+
+def train(spec: TrlSpec, out_dir: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+    samples_per_step = spec.prompts_per_step * spec.group_size
+    metrics_path = out_dir / "metrics.jsonl"
+
+    class StepMetrics(TrainerCallback):
+        """Times each optimizer step and writes its metrics line once TRL has logged it."""
+
+        def __init__(self) -> None:
+            self.begin = 0.0
+            self.step_s = 0.0
+            self.end_unix = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.step_s = time.perf_counter() - self.begin
+            self.end_unix = time.time()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+            if not logs or "reward" not in logs:  # e.g. the summary at the end of training
+                return
+            tokens = logs["completions/mean_length"] * samples_per_step
+            line = {
+                "step": float(state.global_step - 1),  # yatt counts steps from 0
+                "time/unix": self.end_unix,
+                "time/step_s": self.step_s,
+                "reward/mean": float(logs["reward"]),
+                "samples": float(samples_per_step),
+                "tokens": tokens,
+                "samples_per_s": samples_per_step / self.step_s,
+                "tokens_per_s": tokens / self.step_s,
+            }
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    config = GRPOConfig(
+        output_dir=str(out_dir / "trl"),
+        num_generations=spec.group_size,
+        per_device_train_batch_size=samples_per_step // spec.micro_batches,
+        gradient_accumulation_steps=spec.micro_batches,
+        max_completion_length=spec.max_new_tokens,
+        learning_rate=spec.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=spec.betas[0],
+        adam_beta2=spec.betas[1],
+        weight_decay=spec.weight_decay,
+        beta=0.0,
+        epsilon=spec.clip_low,
+        epsilon_high=spec.clip_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=0,
+        max_grad_norm=spec.grad_clip,
+        gradient_checkpointing=False,
+        num_iterations=1,
+        max_steps=spec.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec.seed,
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    dataset = Dataset.from_dict({"prompt": spec.prompts, "answer": spec.answers})
+    trainer = GRPOTrainer(
+        model=spec.model_dir,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(spec.model_dir),
+        callbacks=[StepMetrics()],
+    )
+    trainer.train()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m benchmarks.trl_grpo SPEC.json OUT_DIR", file=sys.stderr)
+        return 2
+    spec = build(TrlSpec, json.loads(Path(argv[0]).read_text()))
+    out_dir = Path(argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train(spec, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -19,11 +19,9 @@ default all_equal dynamic-sampling filter would drop groups with no signal and m
 jobs differ) and ``trainer.checkpoint_every=0``: 8 prompts x 8 completions per step, 2
 micro-batches, <= 8 new tokens, lr 5e-3, 40 steps. ``smollm2`` (``--set
 sizes=[tiny,smollm2]``): SmolLM2-135M-Instruct (``export_smollm2``) on the same task,
-4 prompts x 8 completions, <= 16 new tokens, lr 1e-5, 10 steps. On this 2-core machine
-(2026-12-02, lightly loaded) it cost 14 minutes: yatt 9.4 min (40 s median step, 115 s
-first step, peak PSS 15.6 GB), TRL 4.3 min (24 s median step with 2 threads, 5.1 GB); the
-mean reward rose from ~0.12 to 0.36 (yatt) and 0.23 (TRL) over the 10 steps. The tiny
-job costs about 3 minutes (yatt ~1 min, TRL 0.5-2 min depending on load).
+4 prompts x 8 completions, <= 16 new tokens, lr 1e-5, 10 steps: about 12 minutes on
+this 2-core machine (the tiny job: about 2). The latest figures are in
+benchmarks/README.md.
 
 Matched settings (checked against both codebases; ``_unmatchable`` refuses a yatt config
 that TRL could not follow):
@@ -54,8 +52,10 @@ on the completion decoded with ``skip_special_tokens=True`` in both.
 Not matched, and why (also in the result's notes):
 
 - Processes and threads: yatt runs 7 processes (buffer, reward, generator, 2 controllers,
-  2 FSDP2 trainer ranks over gloo), each with OMP_NUM_THREADS=1 from its launcher; TRL runs
-  generation, reward and training in one process, given all cores
+  2 FSDP2 trainer ranks over gloo); its launcher gives the generator the machine's cores as
+  threads and each trainer rank half of them (on-policy they take turns), every other role
+  one thread (``launch.local.role_threads``). TRL runs generation, reward and training in
+  one process, given all cores
   (``torch.set_num_threads(os.cpu_count())``; ``--set trl_threads=N`` changes it). That
   difference is what is being compared, and it makes TRL's figures depend on what else
   runs: on this 2-core machine, with other jobs using most of it, TRL's tiny step took
@@ -336,7 +336,8 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
         for size in opts.sizes:
             _measure(size, opts.tiny_steps if size == "tiny" else opts.smollm2_steps, opts, Path(scratch), result)
     result.notes += [
-        "yatt: 7 processes (buffer, reward, generator, 2 controllers, 2 FSDP2 trainer ranks), 1 thread each; "
+        "yatt: 7 processes (buffer, reward, generator, 2 controllers, 2 FSDP2 trainer ranks); threads: "
+        "generator = cores, each trainer rank = cores / 2, the rest 1 (launch.local.role_threads); "
         f"TRL: one process with {opts.trl_threads or os.cpu_count()} torch thread(s)",
         "prompt order and sampling seeds differ (each framework shuffles and seeds its own way)",
         "GRPO advantage eps: yatt 1e-6, TRL 1e-4 (hard-coded); both use the unbiased group std",

@@ -18,7 +18,6 @@ import psutil
 import pytest
 import torch
 
-from benchmarks.__main__ import main
 from benchmarks.controllers import prompts_for
 from benchmarks.controllers_fakes import FakeBuffer, KeyWindow
 from protocols.messages import (
@@ -183,22 +182,3 @@ def test_prompts_belong_to_their_shard() -> None:
     assert len(prompts) % 4 == 0 and all(
         p.index == i and len(p.prompt_ids) == 5 for i, p in enumerate(prompts)
     )
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["controllers", "--set", "controllers=[1,0]"], "controllers[1] must be >= 1 (got 0)"),
-        (["controllers", "--set", "window_s=0"], "window_s must be > 0 (got 0.0)"),
-        (["controllers", "--set", "in_flght=4"], "did you mean in_flight?"),
-        (["controllers", "--set", "generators=0"], "generators must be >= 1 (got 0)"),
-    ],
-)
-def test_bad_options_are_refused_with_the_field_named(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--out", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not list(tmp_path.iterdir()), "a refused run must write nothing"

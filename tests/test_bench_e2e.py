@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from benchmarks.__main__ import main
 from benchmarks.jobs import moving_average, reward_at, run_monitored, time_to_reward, training
 from tests.test_benchmarks import run_quick
 
@@ -147,25 +146,3 @@ def test_staleness_quick_measures_each_bound(tmp_path: Path) -> None:
     plot = data["plots"]["reward"]
     assert (tmp_path / plot["png"]).stat().st_size > 0
     assert [s["label"] for s in plot["series"]] == ["max_staleness=0", "max_staleness=2"]
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["e2e", "--set", "sizes=[gpt2]"], "sizes[0] must be one of 'tiny', 'smollm2'"),
-        (["e2e", "--set", "tiny_step=3"], "did you mean tiny_steps?"),
-        (["e2e", "--set", "tiny_steps=2"], "tiny_steps must be >= 3"),
-        (["e2e", "--set", "sizes=[tiny,tiny]"], "sizes must not repeat a size"),
-        (["staleness", "--set", "ks=[1,2]"], "ks must include 0"),
-        (["staleness", "--set", "ks=[0,-1]"], "ks must all be >= 0"),
-        (["staleness", "--set", "steps=2"], "steps must be >= 3"),
-    ],
-)
-def test_bad_options_are_refused_with_the_field_named(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--out", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not list(tmp_path.iterdir()), "a refused run must write nothing"

@@ -74,6 +74,17 @@ def test_generation_quick_measures_every_column(tmp_path: Path) -> None:
         (["generation", "--set", "models=[gpt2]"], "models[0] must be one of 'tiny', 'smollm2'"),
         (["generation", "--set", "reps"], "must look like dotted.key=value"),
         (["transport", "--set", "reps=2"], "benchmark transport takes no --set options"),
+        (["e2e", "--set", "sizes=[gpt2]"], "sizes[0] must be one of 'tiny', 'smollm2'"),
+        (["e2e", "--set", "tiny_step=3"], "did you mean tiny_steps?"),
+        (["e2e", "--set", "tiny_steps=2"], "tiny_steps must be >= 3"),
+        (["e2e", "--set", "sizes=[tiny,tiny]"], "sizes must not repeat a size"),
+        (["staleness", "--set", "ks=[1,2]"], "ks must include 0"),
+        (["staleness", "--set", "ks=[0,-1]"], "ks must all be >= 0"),
+        (["staleness", "--set", "steps=2"], "steps must be >= 3"),
+        (["controllers", "--set", "controllers=[1,0]"], "controllers[1] must be >= 1 (got 0)"),
+        (["controllers", "--set", "window_s=0"], "window_s must be > 0 (got 0.0)"),
+        (["controllers", "--set", "in_flght=4"], "did you mean in_flight?"),
+        (["controllers", "--set", "generators=0"], "generators must be >= 1 (got 0)"),
     ],
 )
 def test_bad_options_are_refused_with_the_field_named(

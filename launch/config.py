@@ -21,6 +21,7 @@ from yatt.config import (
     DataConfig,
     GeneratorConfig,
     ModelConfig,
+    PlacementConfig,
     RewardConfig,
     TrainerConfig,
 )
@@ -92,6 +93,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         every, staleness = self.trainer.weight_sync_every, self.buffer.max_staleness

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.config import RunConfig, dump_run_config
+from launch.placement import describe, make_plan, this_machine, write_plan
 from yatt.errors import ActorFailed, ConfigError, RequestTimeout
+from yatt.placement.plan import Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport
 
@@ -110,15 +112,23 @@ def role_counts(cfg: RunConfig) -> dict[str, int]:
     }
 
 
-def role_threads(cfg: RunConfig, role: str) -> int:
-    """CPU threads of one role process. The generators and the trainer ranks compute (on a
-    CPU machine each may use its share of the cores: on-policy they take turns); the
-    buffer, controllers and reward workers move messages and run Python: one thread."""
+def role_threads(cfg: RunConfig, role: str, index: int = 0, plan: Plan | None = None) -> int:
+    """CPU threads of one role process: ``generator.threads`` / ``trainer.threads`` when set,
+    else the plan's (the cores of its slots; a colocated rank's engine generates on them).
+    Without a plan (SLURM), the generators and trainer ranks get their share of the cores.
+    The buffer, controllers and reward workers move messages and run Python: one thread."""
+    configured = {"generator": cfg.generator.threads, "trainer": cfg.trainer.threads}.get(role, 0)
+    if configured:
+        return configured
+    if plan is not None:
+        mine = [a for a in plan.assignments if a.role == role and a.index == index]
+        if mine:
+            return mine[0].threads
     cores = len(os.sched_getaffinity(0))
     if role == "generator":
-        return cfg.generator.threads or max(1, cores // cfg.run.num_generators)
+        return max(1, cores // cfg.run.num_generators)
     if role == "trainer":
-        return cfg.trainer.threads or max(1, cores // cfg.trainer.world_size)
+        return max(1, cores // cfg.trainer.world_size)
     return 1
 
 
@@ -141,9 +151,22 @@ class LocalLauncher:
         self.master_port = 0
         self.host = cfg.run.host
         """The address of the registry and of the torch.distributed rendezvous."""
+        self.plan: Plan | None = None
+
+    def make_plan(self) -> Plan | None:
+        """Where each role runs on this machine (written to the run dir; roles read it back)."""
+        return make_plan(self.cfg, this_machine())
+
+    def processes(self) -> dict[str, int]:
+        """Processes to start per role, in start order."""
+        return self.plan.counts() if self.plan is not None else role_counts(self.cfg)
 
     def expected(self) -> dict[str, int]:
-        return role_counts(self.cfg)
+        """Registrations per role before the run is READY (a colocated rank registers its engine too)."""
+        counts = dict(self.processes())
+        if self.plan is not None:
+            counts["generator"] += sum(a.hosts_generator for a in self.plan.of("trainer"))
+        return counts
 
     def registry_endpoints(self) -> tuple[str, str]:
         """Where the registry binds: its requests and its membership feed."""
@@ -161,6 +184,14 @@ class LocalLauncher:
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, int(self.resume.name.split("_")[1]))
         dump_run_config(self.cfg, self.run_dir / "config.yaml")
+        try:
+            self.plan = await asyncio.to_thread(self.make_plan)
+        except ConfigError as e:
+            print(f"yatt: config error: {e}", file=sys.stderr, flush=True)
+            return 2
+        if self.plan is not None:
+            write_plan(self.plan, self.run_dir)
+            print(f"yatt: {describe(self.plan)}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,7 +203,7 @@ class LocalLauncher:
             try:
                 self.master_port = self.rendezvous_port()
                 async with Directory(transport, self.registry_endpoint, name="launcher") as directory:
-                    for role, count in self.expected().items():
+                    for role, count in self.processes().items():
                         for index in range(count):
                             self.procs.append(self._spawn(role, index))
                     await self._wait_ready(directory, stop)
@@ -208,7 +239,7 @@ class LocalLauncher:
     def role_env(self, role: str, index: int) -> dict[str, str]:
         """The environment of one role process (a trainer rank's torch.distributed variables)."""
         env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = str(role_threads(self.cfg, role))
+        env["OMP_NUM_THREADS"] = str(role_threads(self.cfg, role, index, self.plan))
         env["PYTHONUNBUFFERED"] = "1"
         if role == "trainer":
             env.update(

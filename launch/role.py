@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from launch.config import RunConfig, load_run_config
+from launch.placement import assignment_for, pin, read_plan
 from yatt import trace
 from yatt.actor import Actor
 from yatt.registry import Directory, Registration
@@ -111,12 +113,27 @@ async def _reward(cfg: RunConfig, args: argparse.Namespace, transport: Transport
 async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from workers.trainer_rank import TrainerRank
 
+    plan = read_plan(args.run_dir)
+    mine = assignment_for(plan, "trainer", args.index)
     async with Directory(transport, args.registry, name=f"trainer-{args.index}") as directory:
         rank = await asyncio.to_thread(
-            TrainerRank.create, cfg, run_dir=args.run_dir, model_path=args.model_path, resume=args.resume
+            TrainerRank.create,
+            cfg,
+            run_dir=args.run_dir,
+            model_path=args.model_path,
+            resume=args.resume,
+            layout=plan.layout if plan is not None else "disaggregated",
+            hosts_generator=mine is not None and mine.hosts_generator,
         )
         actor = rank.actor(transport, endpoint=f"tcp://{args.host}:*")
-        await _serve(actor, args.registry, stop, until=lambda: rank.run(directory, stop))
+        async with contextlib.AsyncExitStack() as stack:
+            generator = rank.colocated_generator(transport, endpoint=f"tcp://{args.host}:*")
+            if generator is not None:  # the colocated layout: this rank serves a generator too
+                await generator.start()
+                stack.push_async_callback(generator.close)
+                info = generator.info(pid=str(os.getpid()))
+                await stack.enter_async_context(Registration(transport, args.registry, info))
+            await _serve(actor, args.registry, stop, until=lambda: rank.run(directory, stop))
 
 
 _MAINS = {"buffer": _buffer, "controller": _controller, "generator": _generator, "reward": _reward, "trainer": _trainer}
@@ -138,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.role}-{args.index} %(levelname)s %(name)s: %(message)s",
     )
     cfg = load_run_config(args.run_dir / "config.yaml")
+    pin(assignment_for(read_plan(args.run_dir), args.role, args.index))  # before any model loads
     args.host = args.host or cfg.run.host
     if cfg.run.trace:
         trace.configure(args.run_dir / "trace" / f"{args.role}-{args.index}.jsonl")

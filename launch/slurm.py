@@ -338,6 +338,10 @@ class SlurmLauncher(LocalLauncher):
         with (self.run_dir / "slurm.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def make_plan(self) -> None:
+        """Roles are placed by node (``plan_layout``), each its own process, as disaggregated."""
+        return None
+
     def role_command(self, role: str, index: int) -> list[str]:
         node = self.placement.node_of(role, index)
         step = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[node]}", f"--job-name={role}-{index}"]

@@ -12,13 +12,20 @@ company) to one engine call in a thread, and a weight update waits for the engin
 
 A request with ``min_policy_version`` v waits until the generator holds version v (the
 on-policy mode); every completion reports the version that produced it.
+
+Taking turns with training (the colocated and partial layouts): a colocated trainer rank
+holds the engine between calls with ``paused()`` while it trains on the module the engine
+generates with, then ``set_version``; a generator of the partial layout is put to sleep by
+``Query("sleep")`` (it finishes the current call, then makes none, and the engine frees
+what it can: vLLM's sleep mode on GPU) and wakes with the next weight update it applies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 
@@ -68,6 +75,9 @@ class Generator(Actor):
         self.tokens = 0
         self.batches = 0
         self._last_call_s = 0.0
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self.sleeps = 0
 
     async def on_start(self) -> None:
         self.spawn(self._batching(), name="batching")
@@ -106,6 +116,7 @@ class Generator(Actor):
         requests = [
             PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling) for msg, _ in batch
         ]
+        await self._awake.wait()
         async with self._engine_lock:
             version = self.version
             start = time.perf_counter()
@@ -145,18 +156,50 @@ class Generator(Actor):
 
         async with self._engine_lock:
             start = time.perf_counter()
+            if not self._awake.is_set():
+                await asyncio.to_thread(self.engine.wake_up)  # weights back before they are written
             with trace.span("weight_load"):
                 await asyncio.to_thread(self.engine.update_weights, named())
             self.sync_s += time.perf_counter() - start
-            async with self._version_changed:
-                self.version = msg.version
-                self._version_changed.notify_all()
+            await self.set_version(msg.version)
+        self._awake.set()
         return Ack(seq=msg.version, info={"status": "applied"})
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold the engine between two calls (waits for the current one to finish): the
+        colocated trainer rank trains on the engine's own module meanwhile."""
+        async with self._engine_lock:
+            yield
+
+    async def set_version(self, version: int) -> None:
+        """The engine now runs the weights of ``version`` (the colocated rank's own policy,
+        or a weight update just applied); requests waiting for it go ahead."""
+        async with self._version_changed:
+            self.version = version
+            self._version_changed.notify_all()
+
+    async def _sleep(self) -> None:
+        """Make no engine call until the next applied weight update; returns once idle."""
+        self._awake.clear()
+        async with self._engine_lock:
+            if not self._awake.is_set():
+                await asyncio.to_thread(self.engine.sleep)
+        self.sleeps += 1
 
     @handles(Query)
     async def query(self, msg: Query) -> Message:
         if msg.what == "version":
             return Ack(seq=self.version)
+        if msg.what == "sleep":
+            await self._sleep()
+            return Ack(seq=self.version, info={"status": "asleep"})
+        if msg.what == "wake":
+            async with self._engine_lock:
+                if not self._awake.is_set():
+                    await asyncio.to_thread(self.engine.wake_up)
+            self._awake.set()
+            return Ack(seq=self.version, info={"status": "awake"})
         if msg.what == "stats":
             return Metrics(
                 values={
@@ -166,9 +209,10 @@ class Generator(Actor):
                     "generator/tokens": float(self.tokens),
                     "generator/batches": float(self.batches),
                     "generator/queued": float(self._queue.qsize()),
+                    "generator/sleeps": float(self.sleeps),
                 }
             )
-        raise ValueError(f"generator: unknown query {msg.what!r}; known: version, stats")
+        raise ValueError(f"generator: unknown query {msg.what!r}; known: version, sleep, wake, stats")
 
     async def on_stop(self) -> None:
         while not self._queue.empty():

@@ -37,7 +37,8 @@ Conventions:
 - Other estimators: ``advantages`` are final per token; with ``kl_in_reward`` the trainer
   adds the KL reward-to-go, ``-kl_coef * sum_{s >= t} gamma^(s-t) KL_s``.
 - Parameters are kept in float32 (master weights); ``model.dtype`` is the compute dtype
-  (FSDP2 mixed precision): auto is bfloat16 on GPU, float32 on CPU. Exports and weight
+  (FSDP2 mixed precision): auto is bfloat16 on GPU and on CPUs with native bf16
+  (``workers.engines.base.resolve_dtype``), else float32. Exports and weight
   buckets are in the compute dtype, which is what the generators run.
 - Models stay in eval mode (no dropout), as in inference, so trainer and generator
   log-probs agree; activation checkpointing wraps each decoder layer instead of using the
@@ -81,13 +82,13 @@ from transformers import (
 )
 
 from protocols.messages import MicroBatch, WeightUpdate
+from workers.engines.base import resolve_dtype
 from yatt import rl_math, trace
 from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError, YattError
 
 # The step's local sums, all-reduced together in one collective by reduce_gradients.
 _SUMS = "loss count tokens clip_frac kl entropy is_weight logprob_diff value_loss value".split()
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Trainer:
@@ -120,7 +121,7 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = _device()
         self._mesh: DeviceMesh = init_device_mesh(self.device.type, (self.world_size,))
-        self.compute_dtype = _compute_dtype(model.dtype, self.device)
+        self.compute_dtype = resolve_dtype(model.dtype, self.device)
         self._mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         total = trainer.total_steps or run_steps
         if trainer.schedule != "constant" and total <= trainer.warmup_steps:
@@ -151,6 +152,7 @@ class Trainer:
         if self.critic is not None:
             self._trained["critic"] = (self.critic, *self._optimizer(self.critic, trainer.critic_lr, total))
         self._step = 0
+        self._gathered = False  # gather_policy: full weights resident for the colocated engine
         self._begin_step()
 
     # ------------------------------------------------------------------ setup
@@ -208,6 +210,8 @@ class Trainer:
             self._forward_backward(mb)
 
     def _forward_backward(self, mb: MicroBatch) -> None:
+        if self._gathered:
+            raise YattError("the policy is gathered for generation; call release_policy() before training")
         self._check(mb)
         start = time.perf_counter()
         ids = mb.input_ids.to(self.device, torch.int64)  # [B, T]
@@ -386,6 +390,46 @@ class Trainer:
         self._begin_step()
         return metrics
 
+    # ------------------------------------------------------------------ colocated generation
+
+    def gather_policy(self) -> None:
+        """Make the policy's full weights resident on this rank until ``release_policy``;
+        collective (one all-gather per FSDP module, in the compute dtype).
+
+        While gathered, a forward runs without any collective, so each rank's colocated
+        generator generates on the module itself, independently of the other ranks (no copy
+        of the weights, nothing sent over a socket). Training must wait for ``release_policy``.
+        """
+        if self._gathered:
+            return
+        self._between_steps("gather_policy")
+        modules = [m for m in self.policy.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        self._gathered = True
+
+    def gathered_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy's full tensors in HF naming while gathered (tied weights once)."""
+        if not self._gathered:
+            raise YattError("gathered_tensors() needs gather_policy() first")
+        for name, tensor in self.policy.named_parameters():
+            yield name.replace(_WRAPPED, ""), tensor.detach()
+        for prefix, module in self.policy.named_modules():
+            for name, tensor in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:  # what a state dict holds
+                    yield f"{prefix}.{name}".lstrip(".").replace(_WRAPPED, ""), tensor
+
+    def release_policy(self) -> None:
+        """Free the full weights ``gather_policy`` made resident (local: no collective)."""
+        if not self._gathered:
+            return
+        for m in self.policy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+                m.set_reshard_after_forward(True, recurse=False)
+        self._gathered = False
+
     @torch.no_grad()
     def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, T] float32 log-probs of the tokens under the current policy (CPU); collective."""
@@ -398,6 +442,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _between_steps(self, what: str) -> None:
+        if self._gathered:
+            raise YattError(f"{what} needs the policy sharded; call release_policy() first")
         if self._received:
             raise YattError(
                 f"{what} is only possible between steps; step {self._step} has micro-batches pending"
@@ -534,14 +580,6 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16 (got {name!r})")
-    return _DTYPES[name]
 
 
 def _load(from_pretrained: Callable[..., Any], path: str, **kwargs: object) -> PreTrainedModel:

@@ -11,6 +11,19 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
             state and ledger copy into checkpoints/step_{k+1}, then its ``done`` marker
     rank 0: one line of metrics.jsonl and TensorBoard scalars
 
+Layouts that take turns (``yatt.placement``): in the colocated layout every rank also
+hosts a generator engine, served as an ordinary generator actor; in the partial layout
+the generators are processes of their own on a subset of the trainer's slots. Either way
+a step cannot stream: the engines must finish the step's batch before training may take
+their slot, so each rank first fetches all its micro-batches while the engines generate,
+the ranks meet in a barrier, and then::
+
+    colocated: pause the own engine, release the gathered policy (local) -> train ->
+               checkpoint when due -> gather_policy (collective: full weights resident
+               again, the engine generates on the module itself) -> version k+1, resume
+    partial:   rank 0 puts the generators to sleep (Query sleep) -> train -> the weight
+               push (or a Query wake) wakes them
+
 The training itself runs in a worker thread so the event loop keeps answering
 heartbeats. Rank 0 keeps the last published buckets and pushes them to any generator
 that joins (or restarts) behind the current version, so a restarted generator catches up
@@ -20,6 +33,7 @@ without a collective.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -40,7 +54,10 @@ from protocols.messages import (
     PolicyVersion,
     Query,
     WeightUpdate,
+    WorkerInfo,
 )
+from workers.engines.base import Engine
+from workers.generator import Generator
 from workers.trainer import Trainer
 from yatt import trace
 from yatt.actor import Actor, Client, handles
@@ -73,19 +90,31 @@ class TrainerActor(Actor):
 class TrainerRank:
     """The loop of one rank; build it with ``create`` (it initialises torch.distributed)."""
 
-    def __init__(self, cfg: RunConfig, trainer: Trainer, *, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: RunConfig, trainer: Trainer, *, run_dir: Path, layout: str = "disaggregated",
+        engine: Engine | None = None,
+    ) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.run_dir = run_dir
         self.rank = trainer.rank
+        self.layout = layout
+        self.engine = engine  # colocated: the engine this rank hosts
+        self.generator: Generator | None = None  # colocated: the actor serving it
+        self._paused: contextlib.AsyncExitStack | None = None  # colocated: the engine held while training
+        self.switch_s = 0.0
         self._buckets: list[WeightUpdate] = []  # rank 0: the last published version
         self._synced: dict[str, int] = {}  # rank 0: generator actor id -> version it holds
         self._push_locks: dict[str, asyncio.Lock] = {}
         self._writer: SummaryWriter | None = None
 
     @classmethod
-    def create(cls, cfg: RunConfig, *, run_dir: Path, model_path: Path, resume: Path | None) -> TrainerRank:
-        """Join the process group (env:// from the launcher) and build the trainer."""
+    def create(
+        cls, cfg: RunConfig, *, run_dir: Path, model_path: Path, resume: Path | None,
+        layout: str = "disaggregated", hosts_generator: bool = False,
+    ) -> TrainerRank:
+        """Join the process group (env:// from the launcher) and build the trainer (and, when
+        the rank hosts a generator, its engine with the current weights: a collective)."""
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -99,8 +128,54 @@ class TrainerRank:
         )
         if resume is not None:
             trainer.load_checkpoint(resume / "trainer")
-        return cls(cfg, trainer, run_dir=run_dir)
+        engine: Engine | None = None
+        if hosts_generator:
+            if cfg.generator.backend == "vllm":
+                from workers.engines import make_engine
 
+                engine = make_engine(str(model_path), cfg.generator, device=str(trainer.device), dtype=cfg.model.dtype)
+            else:
+                from workers.engines.hf import HFEngine
+
+                engine = HFEngine.on_module(trainer.policy, cfg.generator, device=trainer.device)
+        rank = cls(cfg, trainer, run_dir=run_dir, layout=layout, engine=engine)
+        if engine is not None:
+            rank._wake_engine()
+        return rank
+
+    def colocated_generator(self, transport: Transport, *, endpoint: str) -> Generator | None:
+        """The generator actor serving this rank's engine (colocated layout), else None."""
+        if self.engine is None:
+            return None
+        if self.generator is None:
+            self.generator = Generator(
+                transport, endpoint=endpoint, engine=self.engine, config=self.cfg.generator,
+                version=self.trainer.step, actor_id=f"{COLOCATED_PREFIX}{self.rank}",
+            )
+        return self.generator
+
+    def _wake_engine(self) -> None:
+        """Give the hosted engine the current weights; collective (every rank at once).
+        transformers: the full weights become resident in the module it generates with;
+        vLLM: they are gathered, loaded into the waking engine in place, and released."""
+        assert self.engine is not None
+        start = time.perf_counter()
+        with trace.span("wake"):
+            self.trainer.gather_policy()
+            if self.cfg.generator.backend == "vllm":
+                self.engine.wake_up()
+                self.engine.update_weights(self.trainer.gathered_tensors())
+                self.trainer.release_policy()
+        self.switch_s += time.perf_counter() - start
+
+    def _sleep_engine(self) -> None:
+        """Free the hosted engine's share of the slot for training (local, no collective)."""
+        assert self.engine is not None
+        start = time.perf_counter()
+        with trace.span("sleep"):
+            self.engine.sleep()
+            self.trainer.release_policy()
+        self.switch_s += time.perf_counter() - start
     def actor(self, transport: Transport, *, endpoint: str) -> TrainerActor:
         return TrainerActor(transport, endpoint=endpoint, rank=self)
 
@@ -109,14 +184,17 @@ class TrainerRank:
         await directory.wait_until(lambda d: bool(d.members("buffer")), timeout=self.cfg.run.ready_timeout_s)
         buffer = directory.client(directory.members("buffer")[0].actor_id)
         watcher = None
+        external = self.layout != "colocated"  # generator processes that need weight pushes
         if self.rank == 0:
             if self.trainer.step > 0:  # resumed: the generators start from the base weights
-                self._buckets = await asyncio.to_thread(self._gather, self.trainer.step)
-                await self._push_all(directory)
+                if external:
+                    self._buckets = await asyncio.to_thread(self._gather, self.trainer.step)
+                    await self._push_all(directory)
                 await buffer.request(PolicyVersion(version=self.trainer.step), Ack)
-            watcher = asyncio.get_running_loop().create_task(self._watch_generators(directory))
+            if external:
+                watcher = asyncio.get_running_loop().create_task(self._watch_generators(directory))
         else:
-            if self.trainer.step > 0:
+            if self.trainer.step > 0 and external:
                 await asyncio.to_thread(self._gather, self.trainer.step)
         try:
             while self.trainer.step < self.cfg.run.steps and not stop.is_set():
@@ -124,6 +202,8 @@ class TrainerRank:
             if not stop.is_set():
                 await asyncio.to_thread(self.trainer.export_hf, self.run_dir / "final")
         finally:
+            if self._paused is not None:
+                await self._paused.aclose()
             if watcher is not None:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
@@ -142,30 +222,43 @@ class TrainerRank:
         wait = [0.0]
         staleness = torch.zeros(3, dtype=torch.float64)  # [sum of staleness, samples, tokens]
         count = self.cfg.buffer.micro_batches_per_step
+        turns = self.layout in ("colocated", "partial")  # engines and training share slots
 
-        def fetch() -> Iterator[MicroBatch]:
+        async def fetch_one(index: int) -> MicroBatch:
+            start = time.perf_counter()
+            request = MicroBatchRequest(step=step, rank=self.rank, world_size=self.trainer.world_size, index=index)
+            # As long as generation takes: a dead buffer is noticed by its heartbeats (PeerLost).
+            with trace.span("wait_for_buffer"):
+                mb = await buffer.request(request, MicroBatch, timeout=math.inf)
+            wait[0] += time.perf_counter() - start
+            real = mb.loss_mask.any(dim=1)
+            staleness.add_(torch.tensor(
+                [float((step - mb.policy_versions[real]).sum()), float(real.sum()), float(mb.loss_mask.sum())],
+                dtype=torch.float64,
+            ))
+            return mb
+
+        def fetch() -> Iterator[MicroBatch]:  # streamed: trained as each arrives
             for index in range(count):
-                start = time.perf_counter()
-                request = MicroBatchRequest(step=step, rank=self.rank, world_size=self.trainer.world_size, index=index)
-                # As long as generation takes: a dead buffer is noticed by its heartbeats (PeerLost).
-                waiting = buffer.request(request, MicroBatch, timeout=math.inf)
-                with trace.span("wait_for_buffer"):
-                    mb = asyncio.run_coroutine_threadsafe(waiting, loop).result()
-                wait[0] += time.perf_counter() - start
-                real = mb.loss_mask.any(dim=1)
-                staleness.add_(torch.tensor(
-                    [float((step - mb.policy_versions[real]).sum()), float(real.sum()), float(mb.loss_mask.sum())],
-                    dtype=torch.float64,
-                ))
-                yield mb
+                yield asyncio.run_coroutine_threadsafe(fetch_one(index), loop).result()
 
         start = time.perf_counter()
-        metrics = await asyncio.to_thread(self.trainer.train_step, fetch())
+        if turns:
+            batch = [await fetch_one(index) for index in range(count)]  # the engines generate meanwhile
+            await asyncio.to_thread(dist.barrier)  # every rank holds its batch: all switch together
+            switch = time.perf_counter()
+            await self._take_turn(directory)
+            wait[0] += time.perf_counter() - switch
+            metrics = await asyncio.to_thread(self.trainer.train_step, iter(batch))
+        else:
+            metrics = await asyncio.to_thread(self.trainer.train_step, fetch())
         train_s = time.perf_counter() - start
         await asyncio.to_thread(dist.all_reduce, staleness)
         sync_start = time.perf_counter()
         version = self.trainer.step
-        if version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.run.steps:
+        pushed = False
+        synced = version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.run.steps
+        if self.layout != "colocated" and synced:
             with trace.span("weight_gather"):
                 buckets = await asyncio.to_thread(self._gather, version)
             if self.rank == 0:
@@ -173,6 +266,7 @@ class TrainerRank:
                     self._buckets = buckets
                     await self._push_all(directory)
                     await buffer.request(PolicyVersion(version=version), Ack)
+            pushed = True
         sync_s = time.perf_counter() - sync_start
         ckpt_start = time.perf_counter()
         every = self.cfg.trainer.checkpoint_every
@@ -180,6 +274,12 @@ class TrainerRank:
             with trace.span("checkpoint"):
                 await self._checkpoint(buffer, version)
         ckpt_s = time.perf_counter() - ckpt_start
+        wake_start = time.perf_counter()
+        if self.layout == "colocated" and version < self.cfg.run.steps:
+            await self._resume_generation(buffer, version)
+        elif self.layout == "partial" and not pushed and self.rank == 0:
+            await self._wake_generators(directory)
+        sync_s += time.perf_counter() - wake_start
         if self.rank == 0:
             step_s = time.perf_counter() - start
             samples, tokens = float(staleness[1]), float(staleness[2])
@@ -195,12 +295,53 @@ class TrainerRank:
                 "time/weight_sync_s": sync_s,
                 "time/checkpoint_s": ckpt_s,
             }
+            if self.engine is not None:
+                line["time/switch_s"] = self.switch_s
+                self.switch_s = 0.0
             line.update({f"train/{k}": v for k, v in metrics.items()})
             rewards = await buffer.request(Query(what="step_rewards", args={"step": str(step)}), Metrics)
             line.update(rewards.values)
             stats = await buffer.request(Query(what="stats"), Metrics)
             line.update(stats.values)
             self._write_metrics(line)
+
+    async def _take_turn(self, directory: Directory) -> None:
+        """Hand the slots from the engines to training: the colocated rank pauses its own
+        engine (waits for its current call) and releases the gathered weights; in the
+        partial layout rank 0 puts every generator to sleep."""
+        if self.generator is not None:
+            self._paused = contextlib.AsyncExitStack()
+            await self._paused.enter_async_context(self.generator.paused())
+            await asyncio.to_thread(self._sleep_engine)
+        elif self.layout == "partial" and self.rank == 0:
+            await self._ask_generators(directory, "sleep")
+
+    async def _resume_generation(self, buffer: Client, version: int) -> None:
+        """Colocated: every rank gathers the new weights into its engine (collective), the
+        engine serves version ``version``; rank 0 tells the buffer."""
+        await asyncio.to_thread(self._wake_engine)
+        if self.generator is not None:
+            await self.generator.set_version(version)
+        if self._paused is not None:
+            await self._paused.aclose()
+            self._paused = None
+        if self.rank == 0:
+            await buffer.request(PolicyVersion(version=version), Ack)
+
+    async def _wake_generators(self, directory: Directory) -> None:
+        """Partial, a step without a weight push: wake the sleeping generators."""
+        await self._ask_generators(directory, "wake")
+
+    async def _ask_generators(self, directory: Directory, what: str) -> None:
+        async def ask(actor_id: str) -> None:
+            try:
+                await directory.client(actor_id).request(
+                    Query(what=what), Ack, timeout=self.cfg.transport.request_timeout_s
+                )
+            except (KeyError, PeerLost, RequestTimeout, RemoteError):
+                pass  # it left or died; a restarted generator starts awake
+        with trace.span(f"generators_{what}"):
+            await asyncio.gather(*(ask(w.actor_id) for w in _external(directory)))
 
     def _gather(self, version: int) -> list[WeightUpdate]:
         """Collective on every rank; rank 0 gets the buckets."""
@@ -217,7 +358,7 @@ class TrainerRank:
             (directory / "done").write_text(json.dumps({"step": version, "time": time.time()}))
 
     async def _push_all(self, directory: Directory) -> None:
-        await asyncio.gather(*(self._push(directory, w.actor_id) for w in directory.members("generator")))
+        await asyncio.gather(*(self._push(directory, w.actor_id) for w in _external(directory)))
 
     async def _push(self, directory: Directory, actor_id: str) -> None:
         """Send the last published version to one generator unless it holds it already."""
@@ -240,7 +381,7 @@ class TrainerRank:
         """Bring generators that (re)joined up to the current version."""
         while True:
             await asyncio.sleep(self.cfg.transport.heartbeat_interval_s)
-            current = {w.actor_id for w in directory.members("generator")}
+            current = {w.actor_id for w in _external(directory)}
             for actor_id in list(self._synced):
                 if actor_id not in current:
                     del self._synced[actor_id]
@@ -259,3 +400,12 @@ class TrainerRank:
             if key != "step":
                 self._writer.add_scalar(key, value, step)
         self._writer.flush()
+
+
+COLOCATED_PREFIX = "generator-colocated-"
+"""Actor id prefix of the generators that trainer ranks host (they need no weight push)."""
+
+
+def _external(directory: Directory) -> list[WorkerInfo]:
+    """The generators in their own processes (not hosted by a trainer rank)."""
+    return [w for w in directory.members("generator") if not w.actor_id.startswith(COLOCATED_PREFIX)]

@@ -21,7 +21,8 @@ class ModelConfig:
     path: str = ""
     """A local Hugging Face directory, or builtin:smollm2; empty: the tiny default model, built in the run dir."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype: auto is bfloat16 on GPU, float32 on CPU."""
+    """Compute dtype of trainer and engines (master weights stay float32): auto is bfloat16 on
+    GPU and on CPUs with native bf16 (AMX or AVX512-BF16), else float32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +49,13 @@ class GeneratorConfig:
     seed: int = 0
     """Base sampling seed when a request carries none."""
     threads: int = 0
-    """CPU threads of the engine (OMP_NUM_THREADS); 0: this machine's cores / run.num_generators."""
+    """CPU threads of the engine (OMP_NUM_THREADS); 0: from the placement plan (the cores of its slots)."""
+    tensor_parallel: int = 1
+    """GPUs one vLLM generator spans (tensor parallelism), for a model too large for one."""
 
     def __post_init__(self) -> None:
         require(self.threads >= 0, "threads", f"must be >= 0, 0 for the cores / generators (got {self.threads})")
+        require(self.tensor_parallel >= 1, "tensor_parallel", f"must be >= 1 (got {self.tensor_parallel})")
         require(self.max_batch_prompts >= 1, "max_batch_prompts", f"must be >= 1 (got {self.max_batch_prompts})")
         require(self.batch_wait_ms >= 0, "batch_wait_ms", f"must be >= 0 (got {self.batch_wait_ms})")
         require(0 <= self.batch_wait_share <= 1, "batch_wait_share", f"must be in [0, 1] (got {self.batch_wait_share})")
@@ -344,3 +348,14 @@ class DataConfig:
         require(bool(self.prompt_field), "prompt_field", "must name the prompt column")
         require(self.num_prompts >= 0, "num_prompts", f"must be >= 0 (got {self.num_prompts})")
         require(self.max_prompt_tokens >= 0, "max_prompt_tokens", f"must be >= 0 (got {self.max_prompt_tokens})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """Where the roles run on the machine's device slots (yatt/placement)."""
+
+    layout: Literal["auto", "colocated", "partial", "disaggregated"] = "auto"
+    """colocated: each trainer rank also hosts a generator engine (they take turns on its slot);
+    partial: training on every slot, generators on a subset, asleep while training runs;
+    disaggregated: disjoint slots, asynchronous within buffer.max_staleness;
+    auto: the planner picks the layout with the lowest predicted step time."""

@@ -73,6 +73,14 @@ class Engine(Protocol):
         """Temperature-1 logprobs of ``completion_ids`` after ``prompt_ids``, current weights."""
         ...
 
+    def sleep(self) -> None:
+        """Free what the engine can while training runs on its device (KV cache, weights)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo ``sleep`` before the next ``generate`` or ``update_weights``."""
+        ...
+
     def close(self) -> None:
         """Free the model (and any engine processes); later calls raise ``Closed``."""
         ...
@@ -110,10 +118,26 @@ def validate_requests(requests: Sequence[PromptRequest], max_len: int | None) ->
             )
 
 
-def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU (exact logprob match with a float32 trainer), bfloat16 on GPU."""
+def cpu_has_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (AMX tiles or AVX512-BF16): there bf16
+    matmuls run ~10x faster than float32 (measured on this project's CI machine)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: DType | str, device: torch.device) -> torch.dtype:
+    """The compute dtype ``model.dtype`` names; ``auto`` is bfloat16 on GPU and on a CPU
+    with native bf16 (``cpu_has_bf16``), else float32. Trainer and engines both resolve it
+    here, so they compute in the same dtype."""
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.bfloat16 if device.type != "cpu" or cpu_has_bf16() else torch.float32
     resolved = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if resolved is None:
         raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16 (got {dtype!r})")

@@ -94,6 +94,20 @@ class HFEngine:
         # Any: transformers 5.19's own annotations of generate() and to() do not type-check.
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._dtype)
         model.to(self._device).eval()
+        self._setup(model, config)
+
+    @classmethod
+    def on_module(cls, model: torch.nn.Module, config: GeneratorConfig, *, device: torch.device) -> HFEngine:
+        """An engine that generates with ``model`` itself, e.g. a trainer rank's own policy
+        (the colocated layout): no copy of the weights, so ``update_weights`` is never needed;
+        the caller makes the module's full weights available around ``generate`` calls."""
+        engine = cls.__new__(cls)
+        engine._device = device
+        engine._dtype = next(model.parameters()).dtype
+        engine._setup(model, config)
+        return engine
+
+    def _setup(self, model: Any, config: GeneratorConfig) -> None:
         self._model: Any = model
         gen = model.generation_config
         self._eos_ids = _as_list(gen.eos_token_id) or _as_list(model.config.eos_token_id)
@@ -234,6 +248,15 @@ class HFEngine:
         targets = ids[0, len(prompt_ids) :].unsqueeze(1)  # [L, 1]
         logprobs: list[float] = torch.log_softmax(logits, dim=-1).gather(1, targets).squeeze(1).cpu().tolist()
         return logprobs
+
+    def sleep(self) -> None:
+        """Between phases nothing is cached (each call builds its KV cache); on GPU, return
+        the cached blocks of the last call to the device so training can use them."""
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Nothing to restore: the weights never left."""
 
     def close(self) -> None:
         """Drop the model; a second close is a no-op."""

@@ -143,7 +143,13 @@ class VLLMEngine:
             # Sampling follows the request only, not the checkpoint's generation_config.
             generation_config="vllm",
             worker_extension_cls=f"{__name__}.WeightReloadExtension",
+            tensor_parallel_size=config.tensor_parallel,
+            # Sleep mode (GPU only): the engine releases its KV cache and offloads its weights
+            # while the trainer shares the GPU (the colocated and partial layouts).
+            enable_sleep_mode=kind == "cuda",
         )
+        self._sleep_mode = kind == "cuda"
+        self._asleep = False
         self._max_len = config.vllm_max_model_len
         shm = Path("/dev/shm")
         self._update_dir = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
@@ -200,6 +206,19 @@ class VLLMEngine:
             os.unlink(path)
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def sleep(self) -> None:
+        """Release the KV cache and offload the weights to host memory (vLLM sleep level 1),
+        so training can use the GPU; a no-op on CPU, where vLLM has no sleep mode."""
+        if self._sleep_mode and not self._asleep:
+            self._live().sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring the weights and the KV cache back after ``sleep``."""
+        if self._asleep:
+            self._live().wake_up()
+            self._asleep = False
 
     def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """vLLM's prompt logprobs of prompt + completion (temperature 1), completion part."""

@@ -80,3 +80,14 @@ class Plan:
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
+
+
+def plan_from_json(data: dict[str, object]) -> Plan:
+    """The plan ``Plan.to_json`` wrote (``plan.json`` in a run dir)."""
+    raw = dict(data)
+    assignments = tuple(
+        Assignment(**{**a, "slots": tuple(a["slots"]), "cores": tuple(a["cores"])})  # type: ignore[arg-type]
+        for a in raw.pop("assignments")  # type: ignore[attr-defined]
+    )
+    idle = {int(k): float(v) for k, v in raw.pop("idle_share", {}).items()}  # type: ignore[attr-defined]
+    return Plan(assignments=assignments, idle_share=idle, **raw)  # type: ignore[arg-type]

@@ -507,7 +507,7 @@ def best(cands: list[Candidate]) -> Candidate | None:
     """The usable candidate with the lowest predicted step; ties go to the earlier layout in
     ``LAYOUTS`` (colocated first: one process per slot, no weight push)."""
     pick: Candidate | None = None
-    for c in cands:
+    for c in sorted(cands, key=lambda c: LAYOUTS.index(c.layout)):
         if c.refused or c.prediction is None:
             continue
         if pick is None or pick.prediction is None or c.prediction.step_s < pick.prediction.step_s * (1 - 1e-9):

@@ -152,8 +152,9 @@ def run_sizes(cfg: RunConfig, kind: str) -> ModelSizes:
     )
 
 
-def run_workload(cfg: RunConfig) -> Workload:
-    """One step of the run, from its buffer and controller configs."""
+def run_workload(cfg: RunConfig, kind: str) -> Workload:
+    """One step of the run on slots of ``kind``, from its buffer, controller and generator configs."""
+    vllm_gpu = cfg.generator.backend == "vllm" and kind == "gpu"
     return Workload(
         groups_per_step=cfg.buffer.groups_per_step,
         group_size=cfg.buffer.group_size,
@@ -161,6 +162,7 @@ def run_workload(cfg: RunConfig) -> Workload:
         max_new_tokens=cfg.controller.max_new_tokens,
         micro_batches_per_step=cfg.buffer.micro_batches_per_step,
         max_batch_sequences=cfg.generator.max_batch_prompts * cfg.buffer.group_size,
+        engine_reserve_share=cfg.generator.vllm_gpu_memory_utilization if vllm_gpu else 0.0,
     )
 
 
@@ -181,7 +183,7 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
     kind = cluster.slots[0].kind
     sizes = run_sizes(cfg, kind)
     acceptance = FILTERED_ACCEPTANCE if cfg.buffer.filter != "none" or cfg.buffer.custom_filter else 1.0
-    costs = estimate_costs(sizes=sizes, workload=run_workload(cfg), kind=kind, peak_flops=cluster.peak_flops,
+    costs = estimate_costs(sizes=sizes, workload=run_workload(cfg, kind), kind=kind, peak_flops=cluster.peak_flops,
                            acceptance=acceptance)
     if measured is None:
         return costs
@@ -189,19 +191,26 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
     if not metrics.is_file() or not config.is_file():
         raise ConfigError(f"--from {measured}: not a run dir (it needs metrics.jsonl and config.yaml)")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    past = load_run_config(config)
+    try:
+        past = load_run_config(config)
+    except ConfigError as e:
+        raise ConfigError(f"--from {measured}: its config.yaml does not load in this version of yatt ({e})") from None
     n = len(cluster.slots)
     # The runs so far are unpinned: each compute role has its threads on the machine's cores.
     gen_slots = min(n, past.run.num_generators * (past.generator.threads or max(1, n // past.run.num_generators)))
     train_slots = min(n, past.trainer.world_size * (past.trainer.threads or max(1, n // past.trainer.world_size)))
-    return calibrate(rows, costs, run_workload(past), gen_slots=gen_slots, train_slots=train_slots)
+    return calibrate(rows, costs, run_workload(past, kind), gen_slots=gen_slots, train_slots=train_slots)
 
 
-def plan_for_run(cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts, layout: str = "auto") -> Plan:
-    """The run's plan: ``auto`` picks the layout with the lowest predicted step time; an
-    explicit layout is placed with the config's role counts and predicted. Raises
-    ``ConfigError`` when it cannot be placed or does not fit in memory."""
-    sizes, workload, roles = run_sizes(cfg, cluster.slots[0].kind), run_workload(cfg), run_roles(cfg)
+def plan_for_run(cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts, layout: str | None = None) -> Plan:
+    """The run's plan for ``layout`` (None: the config's placement.layout, auto when it has
+    none): ``auto`` picks the layout with the lowest predicted step time; an explicit layout is
+    placed with the config's role counts and predicted. Raises ``ConfigError`` when it cannot
+    be placed or does not fit in memory."""
+    if layout is None:
+        layout = str(getattr(getattr(cfg, "placement", None), "layout", "auto"))
+    kind = cluster.slots[0].kind
+    sizes, workload, roles = run_sizes(cfg, kind), run_workload(cfg, kind), run_roles(cfg)
     if layout == "auto":
         return choose(cluster, sizes, costs, workload, roles)
     for c in candidates(cluster, sizes, costs, workload, roles):
@@ -247,7 +256,7 @@ def plan_main(args: argparse.Namespace) -> int:
     cluster = this_machine(peak_flops=args.peak_flops, dtype=cfg.model.dtype)
     kind = cluster.slots[0].kind
     costs = run_costs(cfg, cluster, args.measured)
-    sizes, workload = run_sizes(cfg, kind), run_workload(cfg)
+    sizes, workload = run_sizes(cfg, kind), run_workload(cfg, kind)
     cands = candidates(cluster, sizes, costs, workload, run_roles(cfg), search=args.search)
     print(f"cluster: {len(cluster.slots)} {kind} slots of {cluster.slots[0].memory_bytes / GIB:.2f} GiB, "
           f"peak {cluster.peak_flops / 1e9:.1f} GFLOP/s per slot")

@@ -7,12 +7,21 @@ import ast
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from launch.__main__ import main
 from launch.config import dump_run_config, load_run_config
-from launch.plan import TINY_CONFIG, measure_peak_flops, plan_for_run, run_costs, run_sizes, this_machine
+from launch.plan import (
+    TINY_CONFIG,
+    measure_peak_flops,
+    plan_for_run,
+    run_costs,
+    run_sizes,
+    run_workload,
+    this_machine,
+)
 from yatt.errors import ConfigError
 from yatt.placement.layouts import cpu_cluster
 from yatt.placement.plan import LAYOUTS
@@ -65,6 +74,15 @@ def test_plan_for_run_auto_and_explicit_layouts() -> None:
         plan_for_run(cfg, tiny, costs)
     with pytest.raises(ConfigError, match="placement.layout must be auto"):
         plan_for_run(cfg, cluster, costs, "spread")
+    placed = load_run_config(None)
+    object.__setattr__(placed, "placement", SimpleNamespace(layout="partial"))  # the section to come
+    assert plan_for_run(placed, cluster, costs).layout == "partial"
+
+
+def test_vllm_on_gpu_reserves_its_share() -> None:
+    cfg = load_run_config(None, ["generator.backend=vllm", "generator.vllm_gpu_memory_utilization=0.4"])
+    assert run_workload(cfg, "gpu").engine_reserve_share == 0.4
+    assert run_workload(cfg, "cpu").engine_reserve_share == 0.0
 
 
 def test_the_tiny_config_is_the_default_models() -> None:

@@ -161,6 +161,9 @@ def test_kv_cache_and_activations_take_turns_only_when_the_phases_do() -> None:
     assert colocated.memory_bytes == {0: 8000 + 2000 + 62400}
     split = predict(assign("disaggregated", cluster, roles), cluster, sizes, COSTS, WORK)
     assert split.memory_bytes == {0: 2000 + 41600, 1: 8000 + 62400}
+    vllm = replace(WORK, engine_reserve_share=0.5)  # takes half of its 80 GiB slot, trainer ranks take none
+    reserved = predict(assign("disaggregated", cluster, roles), cluster, sizes, COSTS, vllm)
+    assert reserved.memory_bytes == {0: 40 * GIB, 1: 8000 + 62400}
 
 
 def test_ties_go_to_colocated_and_refused_is_never_picked() -> None:

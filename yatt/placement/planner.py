@@ -38,7 +38,8 @@ Memory per slot (bytes), refused when over the slot's memory::
     trainer rank   (policy + critic) * train_bytes + reference * weight_bytes, / ranks (FSDP shards)
                    + activations: its micro-batch's tokens * activation_bytes_per_token
     engine         policy * weight_bytes + KV: kv_bytes_per_token * (P + max_new_tokens)
-                   * sequences in flight (min(S / engines, max_batch_sequences))
+                   * sequences in flight (min(S / engines, max_batch_sequences)),
+                   at least engine_reserve_share of the slot (vLLM preallocates its KV cache)
     reward engine  reward * weight_bytes
     peak           resident + max(KV, activations) where generation and training take turns
                    (colocated, partial), resident + KV + activations otherwise
@@ -137,6 +138,9 @@ class Workload:
     """Micro-batches each trainer rank gets per step (buffer.micro_batches_per_step)."""
     max_batch_sequences: int = 256
     """Most sequences one engine decodes at once (its KV cache holds this many)."""
+    engine_reserve_share: float = 0.0
+    """Share of its slots' memory an engine takes up front whatever it needs (vLLM's
+    gpu_memory_utilization on GPU; 0: weights and KV only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,6 +426,11 @@ def _memory(
     for a in plan.of("reward"):
         if a.slots:
             add(a, "reward engine", sizes.reward_params * sizes.weight_bytes)
+    if workload.engine_reserve_share > 0:
+        for s, p in parts.items():
+            if "engine" in p:
+                reserve = workload.engine_reserve_share * cluster.slots[s].memory_bytes
+                p["kv"] = max(p["kv"], reserve - p["engine"])
     if plan.layout in ("colocated", "partial"):  # generation and training take turns
         for p in parts.values():
             smaller = "kv" if p.get("kv", 0.0) < p.get("activations", 0.0) else "activations"

@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from yatt.errors import ConfigError
 from yatt.placement.layouts import LayoutError, Roles, assign
@@ -196,7 +197,7 @@ class Efficiency:
     """Seconds per sample of a rule-based scorer (a Python function in a process pool)."""
 
 
-EFFICIENCY: dict[str, Efficiency] = {
+EFFICIENCY: dict[Literal["cpu", "gpu"], Efficiency] = {
     "gpu": Efficiency(decode=0.25, latency=0.01, forward=0.5, train=0.4, decode_step_s=0.003, train_fixed_s=0.05,
                       sync_bytes_per_s=5e9, copy_bytes_per_s=50e9, wake_s=0.5, rule_reward_s=0.0005),
     "cpu": Efficiency(decode=0.1, latency=0.05, forward=0.3, train=0.3, decode_step_s=0.01, train_fixed_s=0.05,
@@ -208,27 +209,53 @@ EFFICIENCY: dict[str, Efficiency] = {
 def _int(config: Mapping[str, object], key: str, default: int | None = None) -> int:
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"model config.json: {key} must be an integer (got {value!r})")
+        raise ConfigError(f"model config.json: {key} must be an integer (got {value!r}); is it a decoder-only model's config?")
     return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shape:
+    """The numbers of a decoder-only Hugging Face config that sizes depend on."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    attention_bias: bool
+
+
+def _shape(config: Mapping[str, object]) -> _Shape:
+    text = config.get("text_config")
+    c = text if isinstance(text, Mapping) else config
+    hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
+    return _Shape(
+        hidden=hidden,
+        layers=_int(c, "num_hidden_layers"),
+        heads=heads,
+        kv_heads=_int(c, "num_key_value_heads", heads),
+        head_dim=_int(c, "head_dim") if c.get("head_dim") is not None else hidden // heads,
+        intermediate=_int(c, "intermediate_size"),
+        vocab=_int(c, "vocab_size"),
+        tied=bool(c.get("tie_word_embeddings", True)),
+        attention_bias=bool(c.get("attention_bias")) or c.get("model_type") == "qwen2",
+    )
 
 
 def hf_param_count(config: Mapping[str, object]) -> int:
     """Parameters of a decoder-only Hugging Face model (Llama, Qwen, Mistral, SmolLM shapes:
-    gated MLP, grouped-query attention) from its config.json, without loading weights."""
-    text = config.get("text_config")
-    if isinstance(text, Mapping):
-        config = text
-    hidden, layers = _int(config, "hidden_size"), _int(config, "num_hidden_layers")
-    heads = _int(config, "num_attention_heads")
-    kv_heads = _int(config, "num_key_value_heads", heads)
-    head_dim = _int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
-    inter, vocab = _int(config, "intermediate_size"), _int(config, "vocab_size")
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    if config.get("attention_bias") or config.get("model_type") == "qwen2":
-        attention += head_dim * (heads + 2 * kv_heads)
-    per_layer = attention + 3 * hidden * inter + 2 * hidden
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
-    return layers * per_layer + embeddings + hidden
+    gated MLP, grouped-query attention; not mixture-of-experts) from its config.json, without
+    loading weights."""
+    m = _shape(config)
+    attention = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    if m.attention_bias:
+        attention += m.head_dim * (m.heads + 2 * m.kv_heads)
+    per_layer = attention + 3 * m.hidden * m.intermediate + 2 * m.hidden
+    embeddings = m.vocab * m.hidden * (1 if m.tied else 2)
+    return m.layers * per_layer + embeddings + m.hidden
 
 
 def model_sizes(
@@ -245,13 +272,8 @@ def model_sizes(
     al. (2022) with flash attention: 34 * hidden bytes per layer in 16-bit (2 * hidden, the layer
     inputs, with activation checkpointing), plus the float32 logits and their gradient."""
     params = hf_param_count(config)
-    text = config.get("text_config")
-    c = text if isinstance(text, Mapping) else config
-    hidden, layers = _int(c, "hidden_size"), _int(c, "num_hidden_layers")
-    heads = _int(c, "num_attention_heads")
-    kv_heads = _int(c, "num_key_value_heads", heads)
-    head_dim = _int(c, "head_dim") if c.get("head_dim") is not None else hidden // heads
-    per_layer = (2 if activation_checkpointing else 34) * hidden * weight_bytes // 2
+    m = _shape(config)
+    per_layer = (2 if activation_checkpointing else 34) * m.hidden * weight_bytes // 2
     return ModelSizes(
         policy_params=params,
         reference_params=params if reference else 0,
@@ -259,8 +281,8 @@ def model_sizes(
         reward_params=reward_params,
         weight_bytes=weight_bytes,
         train_bytes=4 * weight_bytes,
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * weight_bytes,
-        activation_bytes_per_token=layers * per_layer + 8 * _int(c, "vocab_size"),
+        kv_bytes_per_token=2 * m.layers * m.kv_heads * m.head_dim * weight_bytes,
+        activation_bytes_per_token=m.layers * per_layer + 8 * m.vocab,
     )
 
 
@@ -268,7 +290,7 @@ def estimate_costs(
     *,
     sizes: ModelSizes,
     workload: Workload,
-    kind: str,
+    kind: Literal["cpu", "gpu"],
     peak_flops: float,
     acceptance: float = 1.0,
     efficiency: Efficiency | None = None,
@@ -491,7 +513,7 @@ def candidates(
     layout's best split of the slots between generators and trainer ranks (else ``roles``' counts)."""
     out = []
     for layout in LAYOUTS:
-        best: Candidate | None = None
+        chosen: Candidate | None = None
         refusals = []
         for option in _role_options(layout, cluster, roles, search):
             try:
@@ -503,12 +525,12 @@ def candidates(
             refused = _refusal(plan, prediction, cluster, sizes, workload, costs)
             if refused:
                 refusals.append(refused)
-                if best is None:
-                    best = Candidate(layout=layout, plan=plan, prediction=prediction, refused=refusals[0])
+                if chosen is None:
+                    chosen = Candidate(layout=layout, plan=plan, prediction=prediction, refused=refusals[0])
                 continue
-            if best is None or best.refused or best.prediction is None or prediction.step_s < best.prediction.step_s:
-                best = Candidate(layout=layout, plan=plan, prediction=prediction)
-        out.append(best or Candidate(layout=layout, plan=None, prediction=None, refused=refusals[0]))
+            if chosen is None or chosen.refused or chosen.prediction is None or prediction.step_s < chosen.prediction.step_s:
+                chosen = Candidate(layout=layout, plan=plan, prediction=prediction)
+        out.append(chosen or Candidate(layout=layout, plan=None, prediction=None, refused=refusals[0]))
     return out
 
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,20 @@ def measure_peak_flops(*, device: str = "cpu", dtype: str = "bfloat16", threads:
         torch.set_num_threads(previous)
 
 
+def compute_dtype(dtype: str, kind: str) -> str:
+    """The dtype ``model.dtype`` computes in on slots of ``kind``: auto is bfloat16 on GPU and
+    on a CPU with native bf16 (AMX or AVX512-BF16, as the engines resolve it), else float32."""
+    if dtype != "auto":
+        return dtype
+    if kind == "gpu":
+        return "bfloat16"
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return "bfloat16" if {"amx_bf16", "avx512_bf16"} & set(flags.split()) else "float32"
+
+
 def _memory_bytes() -> int:
     """This machine's memory: MemTotal of /proc/meminfo, else the page count."""
     try:
@@ -98,19 +113,25 @@ def _memory_bytes() -> int:
 
 def this_machine(*, peak_flops: float | None = None, dtype: str = "auto") -> ClusterSpec:
     """The slots of this machine: one per GPU when torch sees any, else one per core of this
-    process's affinity; ``peak_flops`` None measures one slot's in ``dtype`` (model.dtype:
-    auto is bfloat16 on GPU, float32 on CPU)."""
+    process's affinity; ``peak_flops`` None measures one slot's in ``dtype`` (model.dtype)."""
     import torch
 
     cores = sorted(os.sched_getaffinity(0))
     if torch.cuda.is_available():
         memory = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-        dt = "bfloat16" if dtype == "auto" else dtype
-        peak = measure_peak_flops(device="cuda:0", dtype=dt) if peak_flops is None else peak_flops
-        return gpu_cluster(memory, cores, peak_flops=peak)
-    dt = "float32" if dtype == "auto" else dtype
-    peak = measure_peak_flops(dtype=dt, threads=1) if peak_flops is None else peak_flops
-    return cpu_cluster(cores, _memory_bytes(), peak_flops=peak)
+        cluster = gpu_cluster(memory, cores)
+    else:
+        cluster = cpu_cluster(cores, _memory_bytes())
+    return with_peak(cluster, dtype) if peak_flops is None else replace(cluster, peak_flops=peak_flops)
+
+
+def with_peak(cluster: ClusterSpec, dtype: str = "auto") -> ClusterSpec:
+    """``cluster`` with one slot's matmul peak measured (in ``dtype`` resolved for its kind)."""
+    slot = cluster.slots[0]
+    dt = compute_dtype(dtype, slot.kind)
+    if slot.kind == "gpu":
+        return replace(cluster, peak_flops=measure_peak_flops(device=slot.device, dtype=dt))
+    return replace(cluster, peak_flops=measure_peak_flops(dtype=dt, threads=max(1, len(slot.cores))))
 
 
 def _read_config_json(path: str, what: str) -> dict[str, Any]:
@@ -137,7 +158,7 @@ def model_config(cfg: RunConfig) -> dict[str, Any]:
 def run_sizes(cfg: RunConfig, kind: str) -> ModelSizes:
     """What the run's models weigh: the policy, a reference when the KL term is on, a critic
     for GAE, and a reward model or judge when a scorer runs one."""
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if kind == "gpu" else "float32")
+    dtype = compute_dtype(cfg.model.dtype, kind)
     reward_params = sum(
         hf_param_count(_read_config_json(s.model_path, f"reward.scorers[{i}].model_path"))
         for i, s in enumerate(cfg.reward.scorers) if s.kind in ("reward_model", "judge")
@@ -174,6 +195,7 @@ def run_roles(cfg: RunConfig) -> Roles:
         rewards=cfg.run.num_rewards,
         controllers=cfg.controller.num_controllers,
         reward_engines=any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers),
+        tensor_parallel=int(getattr(cfg.generator, "tensor_parallel", 1)),
     )
 
 
@@ -202,11 +224,18 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
     return calibrate(rows, costs, run_workload(past, kind), gen_slots=gen_slots, train_slots=train_slots)
 
 
-def plan_for_run(cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts, layout: str | None = None) -> Plan:
+def plan_for_run(
+    cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts | None = None, layout: str | None = None
+) -> Plan:
     """The run's plan for ``layout`` (None: the config's placement.layout, auto when it has
     none): ``auto`` picks the layout with the lowest predicted step time; an explicit layout is
-    placed with the config's role counts and predicted. Raises ``ConfigError`` when it cannot
-    be placed or does not fit in memory."""
+    placed with the config's role counts and predicted. ``costs`` None: estimated from FLOPs
+    (measuring the cluster's peak if it has none). Raises ``ConfigError`` when the layout
+    cannot be placed or does not fit in memory."""
+    if costs is None:
+        if cluster.peak_flops <= 0:
+            cluster = with_peak(cluster, cfg.model.dtype)
+        costs = run_costs(cfg, cluster)
     if layout is None:
         layout = str(getattr(getattr(cfg, "placement", None), "layout", "auto"))
     kind = cluster.slots[0].kind

@@ -74,6 +74,8 @@ def test_plan_for_run_auto_and_explicit_layouts() -> None:
         plan_for_run(cfg, tiny, costs)
     with pytest.raises(ConfigError, match="placement.layout must be auto"):
         plan_for_run(cfg, cluster, costs, "spread")
+    unmeasured = cpu_cluster([0, 1], 8 * int(GIB))  # the launcher's: no peak yet; measured here
+    assert plan_for_run(cfg, unmeasured).predicted_step_s > 0
     placed = load_run_config(None)
     object.__setattr__(placed, "placement", SimpleNamespace(layout="partial"))  # the section to come
     assert plan_for_run(placed, cluster, costs).layout == "partial"

@@ -64,7 +64,7 @@ def test_param_count_matches_the_published_sizes() -> None:
 def test_model_sizes_per_token() -> None:
     s = model_sizes(LLAMA3_8B, weight_bytes=2, reference=True)
     assert s.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, every layer, 8 KV heads of 128
-    assert s.reference_params == s.policy_params and s.critic_params == 0 and s.train_bytes == 8
+    assert s.reference_params == s.policy_params and s.critic_params == 0 and s.train_bytes == 16
     assert s.activation_bytes_per_token == 32 * 34 * 4096 + 8 * 128256
     with pytest.raises(ConfigError, match="hidden_size"):
         hf_param_count({**LLAMA3_8B, "hidden_size": "4096"})

@@ -76,8 +76,8 @@ class ModelSizes:
     """Parameters of a reward model or judge engine (0: rule-based scorers)."""
     weight_bytes: int = 2
     """Bytes per parameter of weights (2: bf16, 4: float32)."""
-    train_bytes: int = 8
-    """Bytes per trained parameter a trainer holds: weights, gradients and AdamW's two moments."""
+    train_bytes: int = 16
+    """Bytes per trained parameter a trainer holds: float32 master weights, gradients and AdamW's two moments."""
     kv_bytes_per_token: int = 0
     """KV cache bytes per token of one sequence (all layers)."""
     activation_bytes_per_token: int = 0
@@ -268,7 +268,8 @@ def model_sizes(
     activation_checkpointing: bool = False,
 ) -> ModelSizes:
     """The sizes of a run whose policy has Hugging Face ``config`` (a reference and a critic of
-    the same shape when the algorithm uses them). Activations per token follow Korthikanti et
+    the same shape when the algorithm uses them), computing with ``weight_bytes`` per
+    parameter (the trainer keeps float32 master weights whatever it computes in). Activations per token follow Korthikanti et
     al. (2022) with flash attention: 34 * hidden bytes per layer in 16-bit (2 * hidden, the layer
     inputs, with activation checkpointing), plus the float32 logits and their gradient."""
     params = hf_param_count(config)
@@ -280,7 +281,7 @@ def model_sizes(
         critic_params=params if critic else 0,
         reward_params=reward_params,
         weight_bytes=weight_bytes,
-        train_bytes=4 * weight_bytes,
+        train_bytes=16,
         kv_bytes_per_token=2 * m.layers * m.kv_heads * m.head_dim * weight_bytes,
         activation_bytes_per_token=m.layers * per_layer + 8 * m.vocab,
     )

@@ -18,14 +18,16 @@ from launch.plan import (
     measure_peak_flops,
     plan_for_run,
     run_costs,
+    run_roles,
     run_sizes,
     run_workload,
+    table,
     this_machine,
 )
 from yatt.errors import ConfigError
-from yatt.placement.layouts import cpu_cluster
+from yatt.placement.layouts import cpu_cluster, gpu_cluster
 from yatt.placement.plan import LAYOUTS
-from yatt.placement.planner import GIB, hf_param_count
+from yatt.placement.planner import GIB, candidates, hf_param_count
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +41,18 @@ def test_plan_prints_the_three_layouts_and_a_pick(capsys: pytest.CaptureFixture[
     assert [r for r in rows if r in LAYOUTS] == list(LAYOUTS)
     pick = out.splitlines()[-1]
     assert pick.startswith("pick: ") and pick.split()[1].rstrip(":") in LAYOUTS and "s/step" in pick
+    assert main(["plan", "--peak-flops", "1e11", "--search", "trainer.world_size=1"]) == 0
+    searched = capsys.readouterr().out
+    assert f"processes  buffer 1 reward 1 controller 2 trainer {cores}" in searched  # colocated: a rank per slot
+
+
+def test_table_of_a_gpu_cluster_summarises_the_slots() -> None:
+    cfg = load_run_config(None, ["generator.backend=vllm"])
+    cluster = gpu_cluster([80 * int(GIB)] * 16, list(range(32)), peak_flops=8e14)
+    sizes, costs = run_sizes(cfg, "gpu"), run_costs(cfg, cluster)
+    text = table(candidates(cluster, sizes, costs, run_workload(cfg, "gpu"), run_roles(cfg), search=True))
+    assert "idle share per slot  min " in text and "memory GiB per slot  min " in text and " max 40.0" in text
+    assert text.splitlines()[-1].startswith("pick: ")
 
 
 def test_plan_calibrates_from_a_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -217,11 +217,26 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
         past = load_run_config(config)
     except ConfigError as e:
         raise ConfigError(f"--from {measured}: its config.yaml does not load in this version of yatt ({e})") from None
-    n = len(cluster.slots)
-    # The runs so far are unpinned: each compute role has its threads on the machine's cores.
-    gen_slots = min(n, past.run.num_generators * (past.generator.threads or max(1, n // past.run.num_generators)))
-    train_slots = min(n, past.trainer.world_size * (past.trainer.threads or max(1, n // past.trainer.world_size)))
+    gen_slots, train_slots = _measured_slots(measured, past, len(cluster.slots))
     return calibrate(rows, costs, run_workload(past, kind), gen_slots=gen_slots, train_slots=train_slots)
+
+
+def _measured_slots(run_dir: Path, past: RunConfig, n: int) -> tuple[int, int]:
+    """Slots the generators and the trainer ranks of a past run computed on: from its
+    ``plan.json`` when it has one, else (a run without a plan) their threads on ``n`` cores."""
+    path = run_dir / "plan.json"
+    if path.is_file():
+        assignments = json.loads(path.read_text())["assignments"]
+        trainers = [a for a in assignments if a["role"] == "trainer"]
+        generators = [a for a in trainers if a["hosts_generator"]] or [a for a in assignments if a["role"] == "generator"]
+
+        def slots(group: list[dict[str, Any]]) -> int:
+            return n if any(not a["slots"] for a in group) else len({s for a in group for s in a["slots"]})
+
+        return slots(generators), slots(trainers)
+    gens, ranks = past.run.num_generators, past.trainer.world_size
+    return (min(n, gens * (past.generator.threads or max(1, n // gens))),
+            min(n, ranks * (past.trainer.threads or max(1, n // ranks))))
 
 
 def plan_for_run(

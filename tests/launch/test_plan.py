@@ -25,7 +25,7 @@ from launch.plan import (
     this_machine,
 )
 from yatt.errors import ConfigError
-from yatt.placement.layouts import cpu_cluster, gpu_cluster
+from yatt.placement.layouts import assign, cpu_cluster, gpu_cluster
 from yatt.placement.plan import LAYOUTS
 from yatt.placement.planner import GIB, candidates, hf_param_count
 
@@ -65,6 +65,10 @@ def test_plan_calibrates_from_a_run_dir(tmp_path: Path, capsys: pytest.CaptureFi
     costs = run_costs(cfg, cluster, tmp_path)
     assert (costs.weight_sync_s, costs.acceptance, costs.completion_mean) == (0.07, 0.4, 6.0)
     assert costs != run_costs(cfg, cluster)
+    partial = assign("partial", cluster, run_roles(cfg))  # the generator had 1 of the 2 slots
+    (tmp_path / "plan.json").write_text(json.dumps(partial.to_json()))
+    planned = run_costs(cfg, cluster, tmp_path)  # the same rollout time on fewer slots: a slot is faster
+    assert planned.gen_token_s < costs.gen_token_s and planned.train_token_s == pytest.approx(costs.train_token_s)
     assert main(["plan", "--peak-flops", "1e11", "--from", str(tmp_path)]) == 0
     assert f"costs measured in {tmp_path}" in capsys.readouterr().out
     assert main(["plan", "--peak-flops", "1e11", "--from", str(tmp_path / "nothing")]) == 2

@@ -22,7 +22,7 @@ from typing import Any
 
 from launch.config import RunConfig, load_run_config, split_items
 from yatt.errors import ConfigError
-from yatt.placement.costs import calibrate
+from yatt.placement.costs import calibrate, estimate_costs, hf_param_count, model_sizes
 from yatt.placement.layouts import Roles, cpu_cluster, gpu_cluster
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.placement.planner import (
@@ -35,10 +35,7 @@ from yatt.placement.planner import (
     candidates,
     choose,
     describe,
-    estimate_costs,
     finish,
-    hf_param_count,
-    model_sizes,
 )
 
 TINY_CONFIG: dict[str, object] = {

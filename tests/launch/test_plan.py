@@ -25,9 +25,10 @@ from launch.plan import (
     this_machine,
 )
 from yatt.errors import ConfigError
+from yatt.placement.costs import hf_param_count
 from yatt.placement.layouts import assign, cpu_cluster, gpu_cluster
 from yatt.placement.plan import LAYOUTS
-from yatt.placement.planner import GIB, candidates, hf_param_count
+from yatt.placement.planner import GIB, candidates
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,13 +8,12 @@ from dataclasses import replace
 import pytest
 
 from yatt.errors import ConfigError
-from yatt.placement.costs import calibrate
+from yatt.placement.costs import Efficiency, calibrate, estimate_costs, hf_param_count, model_sizes
 from yatt.placement.layouts import Roles, assign, cpu_cluster, gpu_cluster
 from yatt.placement.plan import LAYOUTS, ClusterSpec
 from yatt.placement.planner import (
     GIB,
     Candidate,
-    Efficiency,
     ModelSizes,
     Prediction,
     StageCosts,
@@ -22,9 +21,6 @@ from yatt.placement.planner import (
     best,
     candidates,
     choose,
-    estimate_costs,
-    hf_param_count,
-    model_sizes,
     predict,
 )
 

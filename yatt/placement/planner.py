@@ -4,8 +4,8 @@ in memory, and pick the fastest.
 It is a pure function of its inputs (cluster spec, model sizes, stage costs, workload):
 no I/O, no launcher or worker import, and fast (milliseconds per candidate at 1024
 slots), because the same code runs in a cluster simulator and, later, re-plans at
-run time from the stage times measured each step. ``estimate_costs`` fills the costs from
-FLOPs when nothing was measured; ``yatt.placement.costs`` calibrates them from a run.
+run time from the stage times measured each step. ``yatt.placement.costs`` gives its
+inputs: model sizes from a config.json, costs estimated from FLOPs or calibrated by a run.
 
 Cost model, per training step (seconds; ``n_g``, ``n_r``, ``n_t``: slots of the
 generators, the reward engines and the trainer ranks)::
@@ -51,9 +51,7 @@ spread theirs over every slot (they share the machine's memory).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from yatt.errors import ConfigError
 from yatt.placement.layouts import LayoutError, Roles, assign
@@ -169,162 +167,6 @@ class Candidate:
     """The predicted step (None when the layout cannot be placed)."""
     refused: str = ""
     """Why the layout was refused (cannot be placed, or a slot's memory is short); empty: usable."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Efficiency:
-    """Stated efficiency factors that turn FLOPs and bytes into seconds (``estimate_costs``)."""
-
-    decode: float
-    """Share of the slot's peak FLOP/s that batched decoding reaches."""
-    latency: float
-    """Share of peak one sequence decoding alone reaches (memory-bound)."""
-    forward: float
-    """Share of peak a reward model's forward pass reaches."""
-    train: float
-    """Share of peak FSDP training reaches (forward + backward)."""
-    decode_step_s: float
-    """Seconds per decoding step beyond the FLOPs (kernel launches, sampling, Python)."""
-    train_fixed_s: float
-    """Seconds per training step beyond the FLOPs (optimizer step, collectives, Python)."""
-    sync_bytes_per_s: float
-    """Bytes/s of a weight push to the generators over the transport."""
-    copy_bytes_per_s: float
-    """Bytes/s of the in-process weight load of a switch (FSDP shards -> engine)."""
-    wake_s: float
-    """Seconds to put an engine to sleep and wake it again, per step."""
-    rule_reward_s: float
-    """Seconds per sample of a rule-based scorer (a Python function in a process pool)."""
-
-
-EFFICIENCY: dict[Literal["cpu", "gpu"], Efficiency] = {
-    "gpu": Efficiency(decode=0.25, latency=0.01, forward=0.5, train=0.4, decode_step_s=0.003, train_fixed_s=0.05,
-                      sync_bytes_per_s=5e9, copy_bytes_per_s=50e9, wake_s=0.5, rule_reward_s=0.0005),
-    "cpu": Efficiency(decode=0.1, latency=0.05, forward=0.3, train=0.3, decode_step_s=0.01, train_fixed_s=0.05,
-                      sync_bytes_per_s=1e9, copy_bytes_per_s=5e9, wake_s=0.05, rule_reward_s=0.0005),
-}
-"""Efficiency factors by slot kind: first-order guesses, replaced by measured costs once a run exists."""
-
-
-def _int(config: Mapping[str, object], key: str, default: int | None = None) -> int:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"model config.json: {key} must be an integer (got {value!r}); is it a decoder-only model's config?")
-    return value
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Shape:
-    """The numbers of a decoder-only Hugging Face config that sizes depend on."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    attention_bias: bool
-
-
-def _shape(config: Mapping[str, object]) -> _Shape:
-    text = config.get("text_config")
-    c = text if isinstance(text, Mapping) else config
-    hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
-    return _Shape(
-        hidden=hidden,
-        layers=_int(c, "num_hidden_layers"),
-        heads=heads,
-        kv_heads=_int(c, "num_key_value_heads", heads),
-        head_dim=_int(c, "head_dim") if c.get("head_dim") is not None else hidden // heads,
-        intermediate=_int(c, "intermediate_size"),
-        vocab=_int(c, "vocab_size"),
-        tied=bool(c.get("tie_word_embeddings", True)),
-        attention_bias=bool(c.get("attention_bias")) or c.get("model_type") == "qwen2",
-    )
-
-
-def hf_param_count(config: Mapping[str, object]) -> int:
-    """Parameters of a decoder-only Hugging Face model (Llama, Qwen, Mistral, SmolLM shapes:
-    gated MLP, grouped-query attention; not mixture-of-experts) from its config.json, without
-    loading weights."""
-    m = _shape(config)
-    attention = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    if m.attention_bias:
-        attention += m.head_dim * (m.heads + 2 * m.kv_heads)
-    per_layer = attention + 3 * m.hidden * m.intermediate + 2 * m.hidden
-    embeddings = m.vocab * m.hidden * (1 if m.tied else 2)
-    return m.layers * per_layer + embeddings + m.hidden
-
-
-def model_sizes(
-    config: Mapping[str, object],
-    *,
-    weight_bytes: int,
-    reference: bool = False,
-    critic: bool = False,
-    reward_params: int = 0,
-    activation_checkpointing: bool = False,
-) -> ModelSizes:
-    """The sizes of a run whose policy has Hugging Face ``config`` (a reference and a critic of
-    the same shape when the algorithm uses them), computing with ``weight_bytes`` per
-    parameter (the trainer keeps float32 master weights whatever it computes in). Activations per token follow Korthikanti et
-    al. (2022) with flash attention: 34 * hidden bytes per layer in 16-bit (2 * hidden, the layer
-    inputs, with activation checkpointing), plus the float32 logits and their gradient."""
-    params = hf_param_count(config)
-    m = _shape(config)
-    per_layer = (2 if activation_checkpointing else 34) * m.hidden * weight_bytes // 2
-    return ModelSizes(
-        policy_params=params,
-        reference_params=params if reference else 0,
-        critic_params=params if critic else 0,
-        reward_params=reward_params,
-        weight_bytes=weight_bytes,
-        train_bytes=16,
-        kv_bytes_per_token=2 * m.layers * m.kv_heads * m.head_dim * weight_bytes,
-        activation_bytes_per_token=m.layers * per_layer + 8 * m.vocab,
-    )
-
-
-def estimate_costs(
-    *,
-    sizes: ModelSizes,
-    workload: Workload,
-    kind: Literal["cpu", "gpu"],
-    peak_flops: float,
-    acceptance: float = 1.0,
-    efficiency: Efficiency | None = None,
-) -> StageCosts:
-    """Stage costs from FLOPs when nothing was measured: 2 * params FLOPs per generated token,
-    6 * params per trained token (plus 2 * reference and 6 * critic params), a reward model's
-    2 * params per scored token, at the slot's ``peak_flops`` times the stated efficiencies.
-    Completions are assumed to average 0.6 * max_new_tokens with the p90 at the limit."""
-    if peak_flops <= 0:
-        raise ConfigError(f"peak_flops must be > 0 to estimate costs (got {peak_flops}); measure it first")
-    e = efficiency or EFFICIENCY[kind]
-    samples = workload.groups_per_step * workload.group_size / acceptance
-    batch = max(1.0, min(samples, float(workload.max_batch_sequences)))
-    mean, p90 = 0.6 * workload.max_new_tokens, float(workload.max_new_tokens)
-    gen_flops = 2.0 * sizes.policy_params
-    train_flops = 6.0 * (sizes.policy_params + sizes.critic_params) + 2.0 * sizes.reference_params
-    if sizes.reward_params:
-        reward_s = 2.0 * sizes.reward_params * (workload.prompt_tokens + mean) / (peak_flops * e.forward)
-    else:
-        reward_s = e.rule_reward_s
-    engine_bytes = sizes.policy_params * sizes.weight_bytes
-    return StageCosts(
-        gen_token_s=gen_flops / (peak_flops * e.decode) + e.decode_step_s / batch,
-        gen_latency_s=gen_flops / (peak_flops * e.latency) + e.decode_step_s,
-        completion_mean=mean,
-        completion_p90=p90,
-        acceptance=acceptance,
-        reward_s=reward_s,
-        train_token_s=train_flops / (peak_flops * e.train),
-        train_fixed_s=e.train_fixed_s,
-        weight_sync_s=engine_bytes / e.sync_bytes_per_s,
-        switch_s=engine_bytes / e.copy_bytes_per_s + e.wake_s,
-    )
 
 
 def speedup(slots: int, scaling: float) -> float:

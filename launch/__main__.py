@@ -1,5 +1,6 @@
 """``python -m launch run [CONFIG.yaml] [dotted.key=value ...] [--run-dir DIR] [--resume DIR]``;
-``python -m launch slurm [CONFIG.yaml] [dotted.key=value ...] --nodes N [--submit]`` on a SLURM cluster.
+``python -m launch slurm [CONFIG.yaml] [dotted.key=value ...] --nodes N [--submit]`` on a SLURM cluster;
+``python -m launch plan [CONFIG.yaml] [dotted.key=value ...] [--from RUN_DIR]`` prints the placement candidates.
 
 With no config it runs the built-in default: a tiny model built from a config, a
 tokenizer trained in-process, a synthetic task with a shaped reward, 2 controllers,
@@ -14,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch import slurm
+from launch import plan, slurm
 from launch.config import load_run_config, split_items
 from launch.local import LocalLauncher, latest_checkpoint
 from yatt.errors import ConfigError
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--resume", type=Path, default=None, help="a run dir to continue from its last checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     slurm.add_parsers(sub)
+    plan.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command != "run":
         try:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.config import RunConfig, dump_run_config
-from launch.placement import describe, make_plan, this_machine, write_plan
+from launch.placement import describe, make_plan, write_plan
+from launch.plan import this_machine
 from yatt.errors import ActorFailed, ConfigError, RequestTimeout
 from yatt.placement.plan import Plan
 from yatt.registry import Directory, Registry
@@ -155,7 +156,7 @@ class LocalLauncher:
 
     def make_plan(self) -> Plan | None:
         """Where each role runs on this machine (written to the run dir; roles read it back)."""
-        return make_plan(self.cfg, this_machine())
+        return make_plan(self.cfg, this_machine(peak_flops=0.0))  # the planner measures the peak when it needs it
 
     def processes(self) -> dict[str, int]:
         """Processes to start per role, in start order."""

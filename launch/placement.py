@@ -15,52 +15,34 @@ from pathlib import Path
 
 from launch.config import RunConfig
 from yatt.errors import ConfigError
-from yatt.placement.layouts import LayoutError, Roles, assign, cpu_cluster, gpu_cluster
+from yatt.placement.layouts import LayoutError, Roles
 from yatt.placement.plan import Assignment, ClusterSpec, Plan, plan_from_json
 
 PLAN_FILE = "plan.json"
 
 
-def machine_memory() -> int:
-    """Physical memory of this machine in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def this_machine() -> ClusterSpec:
-    """The slots of this machine: one per GPU when there are GPUs, else one per core."""
-    cores = sorted(os.sched_getaffinity(0))
-    import torch  # the launcher imports torch only here (CUDA's device count)
-
-    if torch.cuda.is_available():
-        memory = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-        return gpu_cluster(memory, cores)
-    return cpu_cluster(cores, machine_memory())
-
-
 def roles_of(cfg: RunConfig) -> Roles:
     """How many processes of each role the config asks for."""
-    engines = any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers)
     return Roles(
         trainers=cfg.trainer.world_size,
         generators=cfg.run.num_generators,
         rewards=cfg.run.num_rewards,
         controllers=cfg.controller.num_controllers,
-        reward_engines=engines,
+        reward_engines=any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers),
         tensor_parallel=cfg.generator.tensor_parallel,
     )
 
 
 def make_plan(cfg: RunConfig, cluster: ClusterSpec) -> Plan:
-    """The plan of ``cfg.placement.layout`` on ``cluster``; ``auto``: the planner's pick."""
-    layout = cfg.placement.layout
-    if layout == "auto":
-        from launch.plan import plan_for_run
+    """The plan of ``cfg.placement.layout`` on ``cluster`` with its predicted step time:
+    ``auto`` is the planner's pick; an explicit layout is placed as asked (``ConfigError``
+    when it cannot be, or does not fit in memory)."""
+    from launch.plan import plan_for_run
 
-        return plan_for_run(cfg, cluster)
     try:
-        return assign(layout, cluster, roles_of(cfg))
+        return plan_for_run(cfg, cluster)
     except LayoutError as e:
-        raise ConfigError(f"placement.layout={layout}: {e}") from None
+        raise ConfigError(f"placement.layout={cfg.placement.layout}: {e}") from None
 
 
 def describe(plan: Plan) -> str:

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import RunConfig, load_run_config, split_items
+from launch.placement import roles_of
 from yatt.errors import ConfigError
 from yatt.placement.costs import calibrate, estimate_costs, hf_param_count, model_sizes
-from yatt.placement.layouts import Roles, cpu_cluster, gpu_cluster
+from yatt.placement.layouts import cpu_cluster, gpu_cluster
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.placement.planner import (
     GIB,
@@ -84,17 +85,13 @@ def measure_peak_flops(*, device: str = "cpu", dtype: str = "bfloat16", threads:
 
 
 def compute_dtype(dtype: str, kind: str) -> str:
-    """The dtype ``model.dtype`` computes in on slots of ``kind``: auto is bfloat16 on GPU and
-    on a CPU with native bf16 (AMX or AVX512-BF16, as the engines resolve it), else float32."""
-    if dtype != "auto":
-        return dtype
-    if kind == "gpu":
-        return "bfloat16"
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return "bfloat16" if {"amx_bf16", "avx512_bf16"} & set(flags.split()) else "float32"
+    """The dtype ``model.dtype`` computes in on slots of ``kind``, as the trainer and engines
+    resolve it (``workers.engines.base.resolve_dtype``)."""
+    import torch
+
+    from workers.engines.base import resolve_dtype
+
+    return str(resolve_dtype(dtype, torch.device("cuda" if kind == "gpu" else "cpu"))).removeprefix("torch.")
 
 
 def _memory_bytes() -> int:
@@ -184,18 +181,6 @@ def run_workload(cfg: RunConfig, kind: str) -> Workload:
     )
 
 
-def run_roles(cfg: RunConfig) -> Roles:
-    """The role processes the run's config asks for."""
-    return Roles(
-        trainers=cfg.trainer.world_size,
-        generators=cfg.run.num_generators,
-        rewards=cfg.run.num_rewards,
-        controllers=cfg.controller.num_controllers,
-        reward_engines=any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers),
-        tensor_parallel=int(getattr(cfg.generator, "tensor_parallel", 1)),
-    )
-
-
 def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None) -> StageCosts:
     """The run's stage costs: estimated from FLOPs at the cluster's peak, then calibrated by
     the metrics of the run in ``measured`` (a run dir) when given."""
@@ -251,7 +236,7 @@ def plan_for_run(
     if layout is None:
         layout = str(getattr(getattr(cfg, "placement", None), "layout", "auto"))
     kind = cluster.slots[0].kind
-    sizes, workload, roles = run_sizes(cfg, kind), run_workload(cfg, kind), run_roles(cfg)
+    sizes, workload, roles = run_sizes(cfg, kind), run_workload(cfg, kind), roles_of(cfg)
     if layout == "auto":
         return choose(cluster, sizes, costs, workload, roles)
     for c in candidates(cluster, sizes, costs, workload, roles):
@@ -298,7 +283,7 @@ def plan_main(args: argparse.Namespace) -> int:
     kind = cluster.slots[0].kind
     costs = run_costs(cfg, cluster, args.measured)
     sizes, workload = run_sizes(cfg, kind), run_workload(cfg, kind)
-    cands = candidates(cluster, sizes, costs, workload, run_roles(cfg), search=args.search)
+    cands = candidates(cluster, sizes, costs, workload, roles_of(cfg), search=args.search)
     print(f"cluster: {len(cluster.slots)} {kind} slots of {cluster.slots[0].memory_bytes / GIB:.2f} GiB, "
           f"peak {cluster.peak_flops / 1e9:.1f} GFLOP/s per slot")
     print(f"model: {sizes.policy_params / 1e6:.3g}M parameters; costs {'measured in ' + str(args.measured) if args.measured else 'estimated from FLOPs'}")

@@ -279,7 +279,8 @@ class TrainerRank:
             await self._resume_generation(buffer, version)
         elif self.layout == "partial" and not pushed and self.rank == 0:
             await self._wake_generators(directory)
-        sync_s += time.perf_counter() - wake_start
+        if self.layout == "partial":  # colocated: the wake counts in switch_s
+            sync_s += time.perf_counter() - wake_start
         if self.rank == 0:
             step_s = time.perf_counter() - start
             samples, tokens = float(staleness[1]), float(staleness[2])

@@ -17,8 +17,8 @@ from launch.plan import (
     TINY_CONFIG,
     measure_peak_flops,
     plan_for_run,
+    roles_of,
     run_costs,
-    run_roles,
     run_sizes,
     run_workload,
     table,
@@ -51,7 +51,7 @@ def test_table_of_a_gpu_cluster_summarises_the_slots() -> None:
     cfg = load_run_config(None, ["generator.backend=vllm"])
     cluster = gpu_cluster([80 * int(GIB)] * 16, list(range(32)), peak_flops=8e14)
     sizes, costs = run_sizes(cfg, "gpu"), run_costs(cfg, cluster)
-    text = table(candidates(cluster, sizes, costs, run_workload(cfg, "gpu"), run_roles(cfg), search=True))
+    text = table(candidates(cluster, sizes, costs, run_workload(cfg, "gpu"), roles_of(cfg), search=True))
     assert "idle share per slot  min " in text and "memory GiB per slot  min " in text and " max 40.0" in text
     assert text.splitlines()[-1].startswith("pick: ")
 
@@ -66,7 +66,7 @@ def test_plan_calibrates_from_a_run_dir(tmp_path: Path, capsys: pytest.CaptureFi
     costs = run_costs(cfg, cluster, tmp_path)
     assert (costs.weight_sync_s, costs.acceptance, costs.completion_mean) == (0.07, 0.4, 6.0)
     assert costs != run_costs(cfg, cluster)
-    partial = assign("partial", cluster, run_roles(cfg))  # the generator had 1 of the 2 slots
+    partial = assign("partial", cluster, roles_of(cfg))  # the generator had 1 of the 2 slots
     (tmp_path / "plan.json").write_text(json.dumps(partial.to_json()))
     planned = run_costs(cfg, cluster, tmp_path)  # the same rollout time on fewer slots: a slot is faster
     assert planned.gen_token_s < costs.gen_token_s and planned.train_token_s == pytest.approx(costs.train_token_s)

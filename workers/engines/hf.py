@@ -187,6 +187,7 @@ class HFEngine:
             attention_mask=attention_mask.to(self._device),
             generation_config=gen_config,
             logits_processor=processors,
+            synced_gpus=False,  # an FSDP module generates on each rank alone (colocated layout)
         )
         new_tokens = out.sequences[:, width:]  # [R, L] int64, pad after a row's stop token
         temperature = 1.0 if greedy else sp.temperature

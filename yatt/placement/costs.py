@@ -53,6 +53,8 @@ class Efficiency:
     """Seconds per training step beyond the FLOPs (optimizer step, collectives, Python)."""
     sync_bytes_per_s: float
     """Bytes/s of a weight push to the generators over the transport."""
+    sync_fixed_s: float
+    """Seconds per weight push beyond the bytes (gather, message round trips, the engine's load)."""
     copy_bytes_per_s: float
     """Bytes/s of the in-process weight load of a switch (FSDP shards -> engine)."""
     wake_s: float
@@ -63,9 +65,9 @@ class Efficiency:
 
 EFFICIENCY: dict[Literal["cpu", "gpu"], Efficiency] = {
     "gpu": Efficiency(decode=0.25, latency=0.01, forward=0.5, train=0.4, decode_step_s=0.003, train_fixed_s=0.05,
-                      sync_bytes_per_s=5e9, copy_bytes_per_s=50e9, wake_s=0.5, rule_reward_s=0.0005),
+                      sync_bytes_per_s=5e9, sync_fixed_s=0.05, copy_bytes_per_s=50e9, wake_s=0.5, rule_reward_s=0.0005),
     "cpu": Efficiency(decode=0.1, latency=0.05, forward=0.3, train=0.3, decode_step_s=0.01, train_fixed_s=0.05,
-                      sync_bytes_per_s=1e9, copy_bytes_per_s=5e9, wake_s=0.05, rule_reward_s=0.0005),
+                      sync_bytes_per_s=1e9, sync_fixed_s=0.01, copy_bytes_per_s=5e9, wake_s=0.005, rule_reward_s=0.0005),
 }
 """Efficiency factors by slot kind: first-order guesses, replaced by measured costs once a run exists."""
 
@@ -186,7 +188,7 @@ def estimate_costs(
         reward_s=reward_s,
         train_token_s=train_flops / (peak_flops * e.train),
         train_fixed_s=e.train_fixed_s,
-        weight_sync_s=engine_bytes / e.sync_bytes_per_s,
+        weight_sync_s=engine_bytes / e.sync_bytes_per_s + e.sync_fixed_s,
         switch_s=engine_bytes / e.copy_bytes_per_s + e.wake_s,
     )
 
@@ -222,6 +224,9 @@ def calibrate(
     sync = _median(rows, "time/weight_sync_s")
     if sync is not None:
         costs = replace(costs, weight_sync_s=sync)
+    switch = _median(rows, "time/switch_s")  # runs that took turns (colocated, partial)
+    if switch is not None:
+        costs = replace(costs, switch_s=switch)
     gen, tail, train = stage_times(costs, workload, gen_slots=gen_slots, train_slots=train_slots)
     measured_train = _median(rows, "time/train_s")
     if measured_train is not None and measured_train > 0 and train > 0:

@@ -28,7 +28,8 @@ generators, the reward engines and the trainer ranks)::
       unpinned     (G + W + T) / contention + weight_sync_s   max_staleness >= 1, on a CPU machine
                                                               with fewer cores than compute
                                                               processes: all share every core
-                   max(G + tail, W) + T + weight_sync_s       on-policy (they take turns)
+                   (max(G + tail, W) + T) / contention        on-policy (they take turns; the
+                   + weight_sync_s                            idle ones still contend)
 
 A slot's idle share is 1 - (seconds its roles compute) / step; switching, weight sync and
 the tail count as idle.
@@ -232,8 +233,8 @@ def predict(plan: Plan, cluster: ClusterSpec, sizes: ModelSizes, costs: StageCos
         sync = costs.weight_sync_s
         if workload.max_staleness >= 1:  # at once, contending for the cores
             step = max((gen + engine_reward + train) / costs.contention, rule_reward) + sync
-        else:  # taking turns
-            step = max(gen + tail + engine_reward, rule_reward) + train + sync
+        else:  # taking turns, yet the idle processes' threads still cost the running ones
+            step = (max(gen + tail + engine_reward, rule_reward) + train) / costs.contention + sync
         busy = dict.fromkeys(every, gen + engine_reward + train)
     else:
         sync = costs.weight_sync_s

@@ -47,9 +47,7 @@ def make_plan(cfg: RunConfig, cluster: ClusterSpec) -> Plan:
 
 def describe(plan: Plan) -> str:
     """The plan as a few lines for the console and the log."""
-    lines = [f"placement: {plan.layout} ({plan.reason})"]
-    if plan.predicted_step_s:
-        lines[0] += f", predicted {plan.predicted_step_s:.2f} s/step"
+    lines = [f"placement: {plan.reason}"]
     for a in plan.assignments:
         if not a.slots and a.threads <= 1:
             continue

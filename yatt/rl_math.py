@@ -183,6 +183,48 @@ def reinforce_pp_returns(
     return returns
 
 
+def token_advantages(
+    kind: str,
+    field: Tensor,
+    mask: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Token advantages [B, T] (before any batch whitening) and returns [B, T] or None.
+
+    ``field`` [B, T] is what the controller put on each completion token: the sequence's
+    reward for ``gae`` and ``reinforce_pp``, its final advantage otherwise. ``kl`` [B, T]
+    (detached, the KL-in-reward estimate) enters as a per-token reward -kl_coef * kl:
+    GAE's token rewards, REINFORCE++'s returns, or a reward-to-go added to the others.
+    ``values`` [B, T] are the critic's, needed by ``gae``.
+    """
+    _require_ndim("field", field, 2, "the micro-batch's advantages field, [B, T]")
+    m = _as_mask(mask, "field", field)
+    f = _as_float(field).masked_fill(~m, 0.0)
+    last = m & (m.cumsum(-1) == m.sum(-1, keepdim=True))  # [B, T] last completion token
+    if kl is not None:
+        _require_same("kl", kl, "field", field)
+        kl = kl.detach()
+    if kind == "gae":
+        if values is None:
+            raise ValueError("advantage gae needs the critic's values")
+        rewards = f.masked_fill(~last, 0.0)
+        if kl is not None:
+            rewards = rewards - kl_coef * kl.masked_fill(~m, 0.0)
+        return gae(rewards, values, m, gamma=gamma, lam=lam)
+    if kind == "reinforce_pp":
+        returns = reinforce_pp_returns(f.masked_fill(~last, 0.0).sum(-1), m, kl=kl, kl_coef=kl_coef, gamma=gamma)
+        return returns, returns
+    if kl is not None:
+        no_reward = torch.zeros(f.shape[0], dtype=f.dtype, device=f.device)
+        f = f + reinforce_pp_returns(no_reward, m, kl=kl, kl_coef=kl_coef, gamma=gamma)
+    return f, None
+
+
 def masked_moments(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(sum, sum of squares, count) of ``values`` over ``mask``, as 0-D float64 tensors.
 

@@ -214,7 +214,7 @@ def resumed(rank: int, model_dir: str, out: str, ckpt: str) -> None:
     results["gae"] = [critic.train_step(rank_batches(batch, SPLITS_2[rank], s, rank)) for s in range(6)]
 
     with pytest.raises(ProtocolError, match="disagree on MicroBatch.count"):
-        critic.accumulate(micro_batch(batch, [rank], step=6, rank=rank, index=0, count=1 + rank))
+        critic.train_step([micro_batch(batch, [rank], step=6, rank=rank, index=0, count=1 + rank)])
     if rank == 0:
         torch.save(results, out)
 

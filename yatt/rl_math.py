@@ -8,7 +8,8 @@ process, socket and model code, and are tested against hand-computed cases.
 Formulas (r: rewards of one group of n completions of a prompt; m: completion mask):
 
 - GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean(r)) / (std(r) + eps), the
-  unbiased (n - 1) std; Dr.GRPO (Liu et al. 2025) drops the std: A_i = r_i - mean(r).
+  unbiased (n - 1) std; Dr.GRPO (Liu et al. 2025) drops the std: A_i = r_i - mean(r), and
+  aggregates with a constant normaliser (``seq_mean_token_sum_norm``) instead of lengths.
 - RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = n / (n - 1) (r_i - mean(r)).
 - REINFORCE++ (Hu 2025): per-token reward = sequence reward on the last completion token
   minus kl_coef * KL_t; returns G_t = sum_{s >= t} gamma^(s - t) reward_s over completion
@@ -16,7 +17,8 @@ Formulas (r: rewards of one group of n completions of a prompt; m: completion ma
   subtracts the group mean first: A_i = r_i - mean(r).
 - GAE (Schulman et al. 2016): delta_t = r_t + gamma V_{t+1} - V_t,
   A_t = delta_t + gamma lam A_{t+1}, returns R_t = A_t + V_t; the value after the last
-  completion token is 0.
+  completion token is 0. The advantages (not the returns) are whitened over the global
+  batch, as verl does; ``token_advantages`` builds the token rewards of each estimator.
 - PPO clip (Schulman et al. 2017): rho_t = exp(logp_t - logp_old_t),
   loss_t = -min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t). DAPO
   clip-higher (Yu et al. 2025) is clip_high > clip_low. Dual clip (Ye et al. 2020): for
@@ -56,6 +58,11 @@ completion, right-padded). Position t of a log-prob or entropy tensor belongs to
 it comes from the logits at position t - 1, which predict token t; position 0 predicts
 nothing and is 0. A ``mask`` [B, T] (bool, or 0/1 of any dtype) is True on the completion
 tokens that are trained on; per-token outputs are 0 where it is False.
+
+Aggregation modes (verl's names with underscores): token_mean (sum over tokens / tokens),
+token_sum (no division), seq_mean_token_mean (mean over sequences of their token means),
+seq_mean_token_sum (mean over sequences of their token sums), seq_mean_token_sum_norm
+(seq_mean_token_sum / a constant, Dr.GRPO's length-unbiased normaliser).
 
 Aggregation is split into ``loss_sum`` (numerator) and ``loss_count`` (denominator)
 because micro-batches are streamed: the first backward runs before the step's global

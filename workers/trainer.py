@@ -398,8 +398,9 @@ class Trainer:
         per_token, stats = self._loss_fn(logprobs, old, advantages, loss_mask, self._loss_params)
         per_token = per_token * weights
         kl = None
-        if b.ref is not None:
-            kl = rl_math.kl_penalty(logprobs, b.ref, kind=algo.kl_estimator)  # [B, T]
+        if b.ref is not None:  # the loss term, or (kl_in_reward) a metric with the reward's estimator
+            kind = algo.kl_in_reward_estimator if algo.kl_in_reward else algo.kl_estimator
+            kl = rl_math.kl_penalty(logprobs, b.ref, kind=kind)  # [B, T]
             if not algo.kl_in_reward:
                 per_token = per_token + self.kl_coef * kl
         if algo.entropy_coef > 0:

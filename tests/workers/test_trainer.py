@@ -255,6 +255,18 @@ def several_updates(rank: int, model_dir: str, out: str) -> None:
     results["stale"] = bypass.train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
     with pytest.raises(ConfigError, match="trainer.mini_batches=4 must divide"):
         make_trainer(model_dir, algo, mini_batches=4).train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
+
+    # Adaptive KL in the reward: the reference equals the policy at first (KL ~ 0 < target),
+    # so the coefficient first shrinks by (1 - 0.2 * sequences / horizon), then follows the KL.
+    adaptive = AlgorithmConfig(kl_coef=0.05, kl_in_reward=True, kl_controller="adaptive", kl_horizon=100)
+    kl_trainer = make_trainer(model_dir, adaptive)
+    results["adaptive"] = [kl_trainer.train_step(rank_batches(batch, SPLITS_2[rank], s, rank)) for s in range(2)]
+    # A user's loss by dotted path; a bad path is a ConfigError naming the field.
+    custom = make_trainer(model_dir, AlgorithmConfig(policy_loss="tests.yatt.test_rl_math:my_loss"))
+    results["custom_nll"] = batch_nll(custom, batch)
+    results["custom"] = custom.train_step(rank_batches(supervised(batch), SPLITS_2[rank], 0, rank))
+    with pytest.raises(ConfigError, match="algorithm.policy_loss: 'no_such.module:fn'"):
+        make_trainer(model_dir, AlgorithmConfig(policy_loss="no_such.module:fn"))
     if rank == 0:
         torch.save(results, out)
 
@@ -414,7 +426,8 @@ def test_weight_buckets_reassemble_the_exported_state_dict(two: Results, work_di
 
 def test_ppo_critic_learns_and_kl_starts_at_zero(resume: Results) -> None:
     steps = resume["gae"]
-    assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0
+    # The metric is the reward's estimator (k1, kl_in_reward): 0 at first, then either sign.
+    assert steps[0]["kl"] == 0.0 and abs(steps[-1]["kl"]) > 1e-4
     losses = [m["value_loss"] for m in steps]
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(m["critic_grad_norm"] > 0 for m in steps)
@@ -469,3 +482,15 @@ def test_rollout_log_prob_mode_masks_a_stale_batch(several: Results) -> None:
     # Random rollout log-probs are far from the policy's: IcePop [0.5, 5] masks some tokens.
     assert 0.0 < m["is_masked_frac"] < 1.0
     assert m["is_weight_std"] > 0.0 and m["optimizer_steps"] == 2.0
+
+
+def test_adaptive_kl_and_a_custom_loss_in_the_trainer(several: Results) -> None:
+    first, second = several["adaptive"]
+    assert first["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert first["kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 100))  # 8 sequences, 2 ranks
+    error = min(max(second["kl"] / 0.1 - 1, -0.2), 0.2)  # verl's update with the step's KL
+    assert second["kl"] != 0.0
+    assert second["kl_coef"] == pytest.approx(first["kl_coef"] * (1 + error * 8 / 100))
+    # my_loss is -A logp: with advantages 1 the step loss is the batch's mean NLL (~ log V at init).
+    assert several["custom"]["loss"] == pytest.approx(several["custom_nll"], rel=1e-4)
+    assert several["custom"]["clip_frac"] == 0.0

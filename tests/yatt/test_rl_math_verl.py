@@ -53,11 +53,14 @@ def inputs(seed: int) -> dict[str, torch.Tensor]:
     lengths[0] = T
     mask = torch.arange(T)[None, :] < lengths[:, None]  # [B, T] bool
     old = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    logp = old + torch.randn(B, T, generator=g, dtype=F64) * 0.3
+    adv = torch.randn(B, T, generator=g, dtype=F64) * mask
+    logp[1, 0], adv[1, 0] = old[1, 0] + 1.5, -1.0  # ratio 4.5 > 3 with A < 0: the dual clip binds
     return {
         "mask": mask,
         "old": old,
-        "logp": old + torch.randn(B, T, generator=g, dtype=F64) * 0.3,
-        "adv": torch.randn(B, T, generator=g, dtype=F64) * mask,
+        "logp": logp,
+        "adv": adv,
         "ref": old + torch.randn(B, T, generator=g, dtype=F64) * 0.5,
         "scores": torch.randn(B, generator=g, dtype=F64),
         "values": torch.randn(B, T, generator=g, dtype=F64),
@@ -217,3 +220,20 @@ def test_value_loss_as_verl() -> None:
     ref, _ = core_algos.compute_value_loss(vpreds, returns, x["values"], x["mask"].double(), cliprange_value=0.5)
     mine = rm.value_loss(vpreds, x["values"], returns, x["mask"], clip=0.5)
     close(yatt_loss(mine, x["mask"], "token_mean"), ref)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", ["2.0", "0.5_5.0"])
+def test_rollout_correction_weights_as_verl(level: str, threshold: str) -> None:
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    x = inputs(3)
+    rollout = x["old"] + torch.randn(B, T, generator=torch.Generator().manual_seed(9), dtype=F64) * 0.8
+    log_ratio = (x["old"] - rollout) * x["mask"]
+    ref, _ = compute_rollout_correction_weights(log_ratio, x["mask"].double(), rollout_is=level, rollout_is_threshold=threshold)
+    bounds = [float(v) for v in threshold.split("_")]
+    kind, floor, cap = ("tis", 0.0, bounds[0]) if len(bounds) == 1 else ("mis", bounds[0], bounds[1])
+    mine = rm.importance_weights(x["old"], rollout, x["mask"], kind=kind, level=level, cap=cap, floor=floor)  # type: ignore[arg-type]
+    close(mine, ref)
+    if kind == "mis":
+        assert 0 < int((mine == 0).logical_and(x["mask"]).sum()) < int(x["mask"].sum())  # the bounds bind

@@ -317,7 +317,7 @@ class Trainer:
                         self._forward_backward(b)
                 with trace.span("optimizer"):
                     updates.append(self._update(self._reduce()))
-        metrics = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        metrics = {k: sum(u[k] for u in updates) / (1 if k.startswith("time_") else len(updates)) for k in updates[0]}
         metrics["tokens"] = sum(u["tokens"] for u in updates[:runs])  # the batch's, once
         metrics["clip_frac_last"] = updates[-1]["clip_frac"]  # the last update's, most off-policy
         metrics["time_prepare_s"] = prepare_s
@@ -378,7 +378,7 @@ class Trainer:
         logits = self.policy(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits  # [B, T, V]
         logprobs = rl_math.token_logprobs(logits, b.ids, temperature=self._temperature)  # [B, T]
         if b.old is None:  # streaming: before the only update, the current weights are the old ones
-            old = logprobs.detach()
+            old = b.rollout if algo.old_logprobs == "rollout" else logprobs.detach()
             if self.reference is not None:
                 with torch.no_grad():
                     ref_logits = self.reference(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits

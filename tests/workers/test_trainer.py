@@ -253,6 +253,8 @@ def several_updates(rank: int, model_dir: str, out: str) -> None:
     stale = AlgorithmConfig(old_logprobs="rollout", importance_sampling="mis", importance_floor=0.5, importance_cap=5.0)
     bypass = make_trainer(model_dir, stale, mini_batches=2)
     results["stale"] = bypass.train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
+    streaming = make_trainer(model_dir, stale)  # one update per batch: streamed, same old log-probs
+    results["stale_streaming"] = streaming.train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
     with pytest.raises(ConfigError, match="trainer.mini_batches=4 must divide"):
         make_trainer(model_dir, algo, mini_batches=4).train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
 
@@ -482,6 +484,10 @@ def test_rollout_log_prob_mode_masks_a_stale_batch(several: Results) -> None:
     # Random rollout log-probs are far from the policy's: IcePop [0.5, 5] masks some tokens.
     assert 0.0 < m["is_masked_frac"] < 1.0
     assert m["is_weight_std"] > 0.0 and m["optimizer_steps"] == 2.0
+    # Streamed (one update), the ratio is against the rollout log-probs too: far from 1.
+    streamed = several["stale_streaming"]
+    assert streamed["optimizer_steps"] == 1.0 and streamed["approx_kl"] > 0.01
+    assert 0.0 < streamed["is_masked_frac"] < 1.0
 
 
 def test_adaptive_kl_and_a_custom_loss_in_the_trainer(several: Results) -> None:

@@ -394,7 +394,7 @@ def test_k3_is_clamped_as_verl_does() -> None:
     k3 = rm.kl_penalty(lp, ref, kind="k3")
     assert torch.isfinite(k3).all()
     close(k3, [[10.0, math.exp(0.5) - 0.5 - 1.0]], 1e-6)
-    k3.sum().backward()
+    torch.autograd.backward(k3.sum())
     assert lp.grad is not None and torch.isfinite(lp.grad).all()
     # Below the value clamp, the log-ratio clamp alone: -x = 20 would give e^20 - 21 > 10.
     close(rm.kl_penalty(t64([[-5.0]]), t64([[0.0]]), kind="k3"), [[10.0]])
@@ -493,19 +493,18 @@ def test_sequence_geometric_bounds_and_veto_weights_hand_computed() -> None:
     old = t64([[1.0, -1.0, 0.5], [0.2, 0.2, 9.0]])
     rollout = torch.zeros_like(old)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    kw = dict(cap=5.0)
     # sequence: e^(1 - 1 + 0.5) and e^0.4; geometric: e^(0.5 / 3) and e^0.2
-    w = rm.importance_weights(old, rollout, mask, kind="tis", level="sequence", **kw)  # type: ignore[arg-type]
+    w = rm.importance_weights(old, rollout, mask, kind="tis", level="sequence", cap=5.0)
     close(w, [[math.exp(0.5)] * 3, [math.exp(0.4)] * 2 + [0.0]], 1e-12)
-    w = rm.importance_weights(old, rollout, mask, kind="none", level="geometric", **kw)  # type: ignore[arg-type]
+    w = rm.importance_weights(old, rollout, mask, kind="none", level="geometric", cap=5.0)
     close(w, [[1.0] * 3, [1.0, 1.0, 0.0]])
-    w = rm.importance_weights(old, rollout, mask, kind="mis", level="geometric", floor=1.2, **kw)  # type: ignore[arg-type]
+    w = rm.importance_weights(old, rollout, mask, kind="mis", level="geometric", floor=1.2, cap=5.0)
     close(w, [[0.0] * 3, [math.exp(0.2)] * 2 + [0.0]], 1e-12)  # e^(1/6) = 1.18 < 1.2: row rejected
     # token level, IcePop bounds [0.5, 5]: e^-1 = 0.37 is masked, the rest kept
-    w = rm.importance_weights(old, rollout, mask, kind="mis", floor=0.5, **kw)  # type: ignore[arg-type]
+    w = rm.importance_weights(old, rollout, mask, kind="mis", floor=0.5, cap=5.0)
     close(w, [[math.e, 0.0, math.exp(0.5)], [math.exp(0.2)] * 2 + [0.0]], 1e-12)
     # veto 0.5: row 0 has a token ratio e^-1 < 0.5 and is dropped whole
-    w = rm.importance_weights(old, rollout, mask, kind="tis", veto=0.5, **kw)  # type: ignore[arg-type]
+    w = rm.importance_weights(old, rollout, mask, kind="tis", veto=0.5, cap=5.0)
     close(w, [[0.0] * 3, [math.exp(0.2)] * 2 + [0.0]], 1e-12)
 
 

@@ -127,10 +127,11 @@ WINDOW = 3
 """Steps in the trailing moving average of the reward (and in reward_first3 / reward_last3)."""
 
 JOBS: dict[Size, list[str]] = {
-    "tiny": ["buffer.filter=none", "trainer.checkpoint_every=0"],
+    "tiny": ["buffer.filter=none", "trainer.checkpoint_every=0", "algorithm.dual_clip=null"],
     "smollm2": [
         "buffer.filter=none",
         "trainer.checkpoint_every=0",
+        "algorithm.dual_clip=null",
         "buffer.groups_per_step=4",
         "buffer.group_size=8",
         "controller.max_new_tokens=16",

@@ -103,6 +103,12 @@ class RunConfig:
             f"= {every} lets generators lag {every - 1} versions, more than buffer.max_staleness = {staleness}; "
             f"raise buffer.max_staleness to {every - 1} or sync every step",
         )
+        mbs, runs = self.buffer.micro_batches_per_step, self.trainer.mini_batches
+        require(
+            mbs % runs == 0,
+            "trainer.mini_batches",
+            f"must divide buffer.micro_batches_per_step={mbs} (got {runs})",
+        )
 
 
 def split_items(items: list[str]) -> tuple[str | None, list[str]]:

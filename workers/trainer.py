@@ -17,6 +17,29 @@ generators, without ever holding the whole model on one rank. One step::
 count after the last backward makes the result equal to the full-batch token mean (or
 sequence mean) for any number of ranks and micro-batches (see ``yatt.rl_math``).
 
+Several updates per batch. With ``trainer.mini_batches`` > 1, ``algorithm.ppo_epochs`` > 1
+or a batch-wide estimator (reinforce_pp, reinforce_pp_baseline, gae), ``train_step`` holds
+the step's micro-batches instead::
+
+    collect every micro-batch of the step (checked as above)
+    prepare: no-grad forwards with the weights that start the batch -> old log-probs
+             (or the rollout engine's, ``algorithm.old_logprobs: rollout``), reference
+             log-probs, critic values; token advantages; whitening over the whole batch
+             with moments all-reduced over every rank
+    for each epoch, for each of ``mini_batches`` equal runs of micro-batches:
+        accumulate each (as above), reduce, clip, AdamW step      -> one optimizer step
+    LR schedule step, adaptive KL update                          -> one run step
+
+What streaming gives up: the whole batch is needed before the first backward, so the
+step cannot overlap the buffer's delivery of its last micro-batches, and every
+micro-batch is forwarded once more (no grad) for the old log-probs. With one update per
+batch and a per-group estimator nothing needs the whole batch: the old log-probs are the
+current ones (ratio 1 exactly), and micro-batches stream as they arrive.
+
+Counting: ``step`` is the run step and the policy version (one ``train_step``, one
+version); ``optimizer_steps`` counts AdamW updates. The LR schedule advances once per run
+step, as verl's does (``trainer.warmup_steps`` and ``total_steps`` count run steps).
+
 Requirement: every rank must call ``accumulate`` the same number of times per step (the
 buffer gives every rank ``count`` micro-batches). FSDP2 runs collectives in every forward
 and backward, so a rank with fewer micro-batches leaves the others waiting in a collective
@@ -26,16 +49,15 @@ else all of them raise ``ProtocolError``; a rank whose stream then ends early or
 raises on its own (the others wait in FSDP's next collective until the timeout).
 
 Conventions:
-- Old log-probs: one optimizer step per batch, so the log-probs before the update are the
-  current ones, detached (PPO ratio 1 on-policy); ``algorithm.importance_sampling``
-  corrects for the rollout engine's log-probs.
-- Advantage ``gae`` (PPO with a critic): the ``advantages`` field carries each sequence's
-  reward, read at its last completion token (the buffer broadcasts per-sequence values over
-  the completion tokens); the trainer puts it there as the token reward, subtracts
-  ``kl_coef * KL`` per token when ``kl_in_reward``, and computes GAE advantages and returns
-  per micro-batch with the critic's values (not whitened: the global batch is not known).
-- Other estimators: ``advantages`` are final per token; with ``kl_in_reward`` the trainer
-  adds the KL reward-to-go, ``-kl_coef * sum_{s >= t} gamma^(s-t) KL_s``.
+- Old log-probs: those of the weights that start the batch (streaming: the current ones,
+  detached), or the rollout engine's; ``algorithm.importance_sampling`` weights each token
+  by old (rollout mode: current) over rollout probability, truncated or masked; masked
+  tokens leave the loss and its count (verl's rejection).
+- Advantages (``rl_math.token_advantages``): for ``gae`` and ``reinforce_pp`` the
+  ``advantages`` field carries each sequence's reward, read at its last completion token;
+  with ``kl_in_reward`` the KL (``kl_in_reward_estimator``, old vs reference log-probs)
+  enters as a per-token reward. reinforce_pp, reinforce_pp_baseline and gae advantages are
+  whitened over the whole batch, as in verl.
 - Parameters are kept in float32 (master weights); ``model.dtype`` is the compute dtype
   (FSDP2 mixed precision): auto is bfloat16 on GPU and on CPUs with native bf16
   (``workers.engines.base.resolve_dtype``), else float32. Exports and weight
@@ -48,6 +70,7 @@ Conventions:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import shutil
@@ -88,7 +111,12 @@ from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError, YattError
 
 # The step's local sums, all-reduced together in one collective by reduce_gradients.
-_SUMS = "loss count tokens clip_frac kl entropy is_weight logprob_diff value_loss value".split()
+_SUMS = (
+    "loss count tokens clip_frac approx_kl kl entropy is_weight is_weight_sq is_masked logprob_diff "
+    "value_loss value sequences"
+).split()
+# Checkpoint entries that older checkpoints (or another kl_controller) may lack.
+_OPTIONAL_STATE = ("optimizer_steps", "kl_coef")
 
 
 class Trainer:
@@ -151,8 +179,19 @@ class Trainer:
         self._trained = {"policy": (self.policy, *self._optimizer(self.policy, trainer.lr, total))}
         if self.critic is not None:
             self._trained["critic"] = (self.critic, *self._optimizer(self.critic, trainer.critic_lr, total))
+        self._loss_fn = _policy_loss_fn(algorithm.policy_loss)
+        self._loss_params = rl_math.LossParams(
+            **{f.name: getattr(algorithm, f.name) for f in dataclasses.fields(rl_math.LossParams)}
+        )
+        self._kl = (
+            rl_math.AdaptiveKLController(algorithm.kl_coef, target=algorithm.kl_target, horizon=algorithm.kl_horizon)
+            if algorithm.kl_controller == "adaptive"
+            else None
+        )
+        self._holds_batch = trainer.mini_batches > 1 or algorithm.ppo_epochs > 1 or algorithm.batch_wide
         self._step = 0
         self._gathered = False  # gather_policy: full weights resident for the colocated engine
+        self._optimizer_steps = 0
         self._begin_step()
 
     # ------------------------------------------------------------------ setup
@@ -185,115 +224,228 @@ class Trainer:
         return optimizer, LambdaLR(optimizer, _schedule(c.schedule, c.warmup_steps, total))
 
     def _begin_step(self) -> None:
-        self._sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in _SUMS}
-        self._received = 0  # micro-batches accumulated this step
+        self._received = 0  # micro-batches accepted this step
         self._count = 0  # micro-batches announced for this step
-        self._reduced: dict[str, float] | None = None  # global sums, once reduce_gradients ran
         self._fwd_bwd_s = 0.0
+        self._begin_update()
+
+    def _begin_update(self) -> None:
+        self._sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in _SUMS}
+        self._reduced: dict[str, float] | None = None  # global sums, once reduce_gradients ran
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient now (moves with ``algorithm.kl_controller: adaptive``)."""
+        return self._kl.value if self._kl is not None else self._algo.kl_coef
 
     @property
     def step(self) -> int:
-        """Optimizer steps applied: the policy version of the current weights."""
+        """Run steps taken (``train_step`` calls): the policy version of the current weights."""
         return self._step
+
+    @property
+    def optimizer_steps(self) -> int:
+        """AdamW updates applied: ``trainer.mini_batches * algorithm.ppo_epochs`` per run step."""
+        return self._optimizer_steps
 
     # ------------------------------------------------------------------ training
 
     def train_step(self, micro_batches: Iterable[MicroBatch]) -> dict[str, float]:
-        """One optimizer step on this rank's micro-batches of the step; returns its metrics."""
-        for mb in micro_batches:
-            self.accumulate(mb)
-        return self.finish_step()
+        """One run step on this rank's micro-batches of the step; returns its metrics.
 
-    def accumulate(self, mb: MicroBatch) -> None:
-        """Forward and backward one micro-batch, adding its loss SUM's gradients."""
-        with trace.span("forward_backward"):
-            self._forward_backward(mb)
-
-    def _forward_backward(self, mb: MicroBatch) -> None:
+        Streams them into one optimizer step, or holds them for several (module docstring).
+        """
         if self._gathered:
             raise YattError("the policy is gathered for generation; call release_policy() before training")
-        self._check(mb)
-        start = time.perf_counter()
-        ids = mb.input_ids.to(self.device, torch.int64)  # [B, T]
-        attention = mb.attention_mask.to(self.device, torch.bool)  # [B, T]
-        mask = mb.loss_mask.to(self.device, torch.bool) & attention  # [B, T]
-        rollout = mb.rollout_logprobs.to(self.device, torch.float32)  # [B, T]
-        advantages = mb.advantages.to(self.device, torch.float32)  # [B, T]
-        algo, sums = self._algo, self._sums
-        logits = self.policy(input_ids=ids, attention_mask=attention, use_cache=False).logits  # [B, T, V]
-        logprobs = rl_math.token_logprobs(logits, ids, temperature=self._temperature)  # [B, T]
-        old = logprobs.detach()
-        weights = rl_math.importance_weights(
-            old, rollout, mask, kind=algo.importance_sampling, cap=algo.importance_cap
-        )
-        kl = self._kl(ids, attention, logprobs) if self.reference is not None else None  # [B, T]
-        if self.critic is not None:
-            advantages = self._critic_backward(ids, attention, mask, advantages, kl)
-        elif kl is not None and algo.kl_in_reward:
-            no_reward = torch.zeros(ids.shape[0], dtype=torch.float32, device=self.device)
-            kl_return = rl_math.reinforce_pp_returns(
-                no_reward, mask, kl=kl.detach(), kl_coef=algo.kl_coef, gamma=algo.gamma
+        if not self._holds_batch:
+            for mb in micro_batches:
+                self.accumulate(mb)
+            return self.finish_step()
+        return self._train_held(micro_batches)
+
+    def accumulate(self, mb: MicroBatch) -> None:
+        """Forward and backward one micro-batch, adding its loss SUM's gradients (streaming)."""
+        if self._gathered:
+            raise YattError("the policy is gathered for generation; call release_policy() before training")
+        if self._holds_batch:
+            raise YattError(
+                "accumulate streams one update per batch; with trainer.mini_batches > 1, "
+                "algorithm.ppo_epochs > 1 or a batch-wide advantage, call train_step"
             )
-            advantages = advantages + kl_return
-        per_token, stats = rl_math.policy_loss(
-            logprobs, old, advantages, mask,
-            kind=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+        with trace.span("forward_backward"):
+            self._check(mb)
+            self._received += 1
+            self._forward_backward(self._inputs(mb))
+
+    def _inputs(self, mb: MicroBatch) -> _Batch:
+        """The micro-batch on this device; advantages as they arrived (streaming finishes them)."""
+        attention = mb.attention_mask.to(self.device, torch.bool)  # [B, T]
+        return _Batch(
+            ids=mb.input_ids.to(self.device, torch.int64),  # [B, T]
+            attention=attention,
+            mask=mb.loss_mask.to(self.device, torch.bool) & attention,  # [B, T]
+            rollout=mb.rollout_logprobs.to(self.device, torch.float32),  # [B, T]
+            advantages=mb.advantages.to(self.device, torch.float32),  # [B, T]
+        )
+
+    def _train_held(self, micro_batches: Iterable[MicroBatch]) -> dict[str, float]:
+        """Collect, prepare (old log-probs, advantages, whitening), then several updates."""
+        batches: list[_Batch] = []
+        with trace.span("collect"):
+            for mb in micro_batches:
+                self._check(mb)
+                self._received += 1
+                batches.append(self._inputs(mb))
+        if not batches or len(batches) != self._count:
+            raise ProtocolError(
+                f"rank {self.rank} got {len(batches)} of {self._count} micro-batches for step {self._step}"
+            )
+        runs = self._config.mini_batches
+        if len(batches) % runs:
+            raise ConfigError(
+                f"trainer.mini_batches={runs} must divide the micro-batches each rank gets per step "
+                f"(buffer.micro_batches_per_step={len(batches)})"
+            )
+        start = time.perf_counter()
+        with trace.span("prepare"):
+            for b in batches:
+                self._prepare(b)
+            if self._algo.batch_wide:
+                self._whiten(batches)
+        prepare_s = time.perf_counter() - start
+        size = len(batches) // runs
+        updates: list[dict[str, float]] = []
+        for _ in range(self._algo.ppo_epochs):
+            for i in range(runs):
+                self._begin_update()
+                with trace.span("forward_backward"):
+                    for b in batches[i * size : (i + 1) * size]:
+                        self._forward_backward(b)
+                with trace.span("optimizer"):
+                    updates.append(self._update(self._reduce()))
+        metrics = {k: sum(u[k] for u in updates) / (1 if k.startswith("time_") else len(updates)) for k in updates[0]}
+        metrics["tokens"] = sum(u["tokens"] for u in updates[:runs])  # the batch's, once
+        metrics["clip_frac_last"] = updates[-1]["clip_frac"]  # the last update's, most off-policy
+        metrics["time_prepare_s"] = prepare_s
+        return self._end_step(metrics, sequences=sum(u["sequences"] for u in updates[:runs]))
+
+    @torch.no_grad()
+    def _prepare(self, b: _Batch) -> None:
+        """Old log-probs, reference log-probs, critic values and token advantages of one
+        micro-batch, with the weights that start the batch (no grad)."""
+        algo = self._algo
+        kwargs = dict(input_ids=b.ids, attention_mask=b.attention, use_cache=False)
+        if algo.old_logprobs == "rollout":
+            b.old = b.rollout
+        else:
+            logits = self.policy(**kwargs).logits  # [B, T, V]
+            b.old = rl_math.token_logprobs(logits, b.ids, temperature=self._temperature).float()
+            del logits
+        if self.reference is not None:
+            ref_logits = self.reference(**kwargs).logits
+            b.ref = rl_math.token_logprobs(ref_logits, b.ids, temperature=self._temperature).float()
+            del ref_logits
+        if self.critic is not None:
+            b.old_values = self._values(b)
+        b.advantages, b.returns = self._token_advantages(b, b.old)
+
+    def _token_advantages(self, b: _Batch, old: Tensor) -> tuple[Tensor, Tensor | None]:
+        """rl_math.token_advantages with the KL in the reward from ``old`` vs the reference."""
+        algo = self._algo
+        kl = None
+        if b.ref is not None and algo.kl_in_reward:
+            kl = rl_math.kl_penalty(old, b.ref, kind=algo.kl_in_reward_estimator).detach()
+        return rl_math.token_advantages(
+            algo.advantage, b.advantages, b.mask,
+            kl=kl, kl_coef=self.kl_coef, values=b.old_values, gamma=algo.gamma, lam=algo.lam,
         )  # fmt: skip
+
+    def _whiten(self, batches: list[_Batch]) -> None:
+        """Whiten every micro-batch's advantages with the moments of the whole batch,
+        all-reduced over every rank (verl's masked_whiten over the global batch)."""
+        moments = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for b in batches:
+            moments += torch.stack(rl_math.masked_moments(b.advantages, b.mask))
+        dist.all_reduce(moments)
+        total, total_sq, count = moments.unbind()
+        for b in batches:
+            b.advantages = rl_math.masked_whiten(b.advantages, b.mask, moments=(total, total_sq, count))
+
+    def _values(self, b: _Batch) -> Tensor:
+        """The critic's values [B, T]: the value of the state before token t is its output
+        at t - 1 (aligned like log-probs), 0 at t = 0; differentiable."""
+        assert self.critic is not None
+        out = self.critic(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits[..., 0]
+        return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # [B, T]
+
+    def _forward_backward(self, b: _Batch) -> None:
+        start = time.perf_counter()
+        algo, sums, mask = self._algo, self._sums, b.mask
+        logits = self.policy(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits  # [B, T, V]
+        logprobs = rl_math.token_logprobs(logits, b.ids, temperature=self._temperature)  # [B, T]
+        if b.old is None:  # streaming: before the only update, the current weights are the old ones
+            old = b.rollout if algo.old_logprobs == "rollout" else logprobs.detach()
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self.reference(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits
+                    b.ref = rl_math.token_logprobs(ref_logits, b.ids, temperature=self._temperature).float()
+            advantages, _ = self._token_advantages(b, old)
+        else:
+            old, advantages = b.old, b.advantages
+        weights = rl_math.importance_weights(
+            logprobs.detach() if algo.old_logprobs == "rollout" else old, b.rollout, mask,
+            kind=algo.importance_sampling, cap=algo.importance_cap, level=algo.importance_level,
+            floor=algo.importance_floor, veto=algo.importance_veto,
+        )  # fmt: skip
+        masked = mask & (weights == 0) if algo.importance_sampling == "mis" or algo.importance_veto > 0 else None
+        loss_mask = mask & ~masked if masked is not None else mask  # rejected tokens leave the loss
+        if self.critic is not None:
+            self._critic_backward(b, loss_mask)
+        per_token, stats = self._loss_fn(logprobs, old, advantages, loss_mask, self._loss_params)
         per_token = per_token * weights
-        if kl is not None and not algo.kl_in_reward:
-            per_token = per_token + algo.kl_coef * kl
+        kl = None
+        if b.ref is not None:  # the loss term, or (kl_in_reward) a metric with the reward's estimator
+            kind = algo.kl_in_reward_estimator if algo.kl_in_reward else algo.kl_estimator
+            kl = rl_math.kl_penalty(logprobs, b.ref, kind=kind)  # [B, T]
+            if not algo.kl_in_reward:
+                per_token = per_token + self.kl_coef * kl
         if algo.entropy_coef > 0:
             entropy = rl_math.entropy_from_logits(logits, temperature=self._temperature)  # [B, T]
             per_token = per_token - algo.entropy_coef * entropy
         else:
             with torch.no_grad():  # a metric only
                 entropy = rl_math.entropy_from_logits(logits.detach(), temperature=self._temperature)
-        numerator = rl_math.loss_sum(per_token, mask, mode=algo.aggregation)
+        numerator = rl_math.loss_sum(per_token, loss_mask, mode=algo.aggregation, norm=algo.aggregation_norm)
         torch.autograd.backward(numerator)
         with torch.no_grad():
             tokens = mask.sum()
             sums["loss"] += numerator.detach()
-            sums["count"] += rl_math.loss_count(mask, mode=algo.aggregation)
+            sums["count"] += rl_math.loss_count(loss_mask, mode=algo.aggregation)
             sums["tokens"] += tokens
-            sums["clip_frac"] += stats["clip_frac"] * tokens
+            sums["sequences"] += mask.any(-1).sum()
+            sums["clip_frac"] += stats.get("clip_frac", 0.0) * tokens
+            sums["approx_kl"] += stats.get("approx_kl", 0.0) * tokens
             sums["entropy"] += _masked_sum(entropy, mask)
             sums["is_weight"] += _masked_sum(weights, mask)
-            sums["logprob_diff"] += _masked_sum((old - rollout).abs(), mask)
+            sums["is_weight_sq"] += _masked_sum(weights * weights, mask)
+            sums["logprob_diff"] += _masked_sum((old - b.rollout).abs(), mask)
+            if masked is not None:
+                sums["is_masked"] += masked.sum()
             if kl is not None:
                 sums["kl"] += _masked_sum(kl.detach(), mask)
-        self._received += 1
         self._fwd_bwd_s += time.perf_counter() - start
 
-    def _kl(self, ids: Tensor, attention: Tensor, logprobs: Tensor) -> Tensor:
-        """Per-token KL(policy || reference) estimate [B, T]; gradient flows through logprobs."""
-        assert self.reference is not None
-        with torch.no_grad():
-            ref_logits = self.reference(input_ids=ids, attention_mask=attention, use_cache=False).logits
-            ref = rl_math.token_logprobs(ref_logits, ids, temperature=self._temperature)  # [B, T]
-        return rl_math.kl_penalty(logprobs, ref, kind=self._algo.kl_estimator)
-
-    def _critic_backward(
-        self, ids: Tensor, attention: Tensor, mask: Tensor, rewards_field: Tensor, kl: Tensor | None
-    ) -> Tensor:
-        """Critic forward and value-loss backward; returns GAE advantages [B, T]."""
-        assert self.critic is not None
+    def _critic_backward(self, b: _Batch, mask: Tensor) -> None:
+        """Critic forward and clipped value-loss backward against the batch's returns."""
+        assert b.old_values is not None and b.returns is not None
         algo = self._algo
-        out = self.critic(input_ids=ids, attention_mask=attention, use_cache=False).logits[..., 0]  # [B, T]
-        # The value of the state before token t is the critic's output at t - 1 (like log-probs).
-        values = torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # [B, T]
-        last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))  # [B, T] last completion token
-        rewards = torch.where(last, rewards_field, torch.zeros_like(rewards_field))  # [B, T]
-        if kl is not None and algo.kl_in_reward:
-            rewards = rewards - algo.kl_coef * torch.where(mask, kl.detach(), torch.zeros_like(rewards))
-        old_values = values.detach()
-        advantages, returns = rl_math.gae(rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam)
-        per_token = rl_math.value_loss(values, old_values, returns, mask, clip=algo.value_clip)
-        numerator = rl_math.loss_sum(per_token, mask, mode=algo.aggregation)
+        values = self._values(b)
+        per_token = rl_math.value_loss(values, b.old_values, b.returns, mask, clip=algo.value_clip)
+        numerator = rl_math.loss_sum(per_token, mask, mode=algo.aggregation, norm=algo.aggregation_norm)
         torch.autograd.backward(numerator)
         with torch.no_grad():
             self._sums["value_loss"] += numerator.detach()
-            self._sums["value"] += _masked_sum(old_values, mask)
-        return advantages
+            self._sums["value"] += _masked_sum(b.old_values, mask)
 
     def _check(self, mb: MicroBatch) -> None:
         """The micro-batch belongs to this rank and step, in order, with consistent shapes.
@@ -342,16 +494,20 @@ class Trainer:
         Called by ``finish_step``; tests call it first to read the step's gradients.
         Returns the global sums (loss, count, tokens, ...).
         """
-        if self._reduced is not None:
-            return self._reduced
-        if self._received == 0 or self._received != self._count:
+        if self._reduced is None and (self._received == 0 or self._received != self._count):
             raise ProtocolError(
                 f"rank {self.rank} got {self._received} of {self._count} micro-batches for step {self._step}"
             )
+        return self._reduce()
+
+    def _reduce(self) -> dict[str, float]:
+        """All-reduce this update's sums; divide the gradients by the global count (once)."""
+        if self._reduced is not None:
+            return self._reduced
         totals = torch.stack([self._sums[k] for k in _SUMS])  # [len(_SUMS)] float64
         dist.all_reduce(totals)
         reduced = dict(zip(_SUMS, totals.tolist(), strict=True))
-        divisor = max(reduced["count"], 1.0)  # all-padding step: gradients are 0 anyway
+        divisor = max(reduced["count"], 1.0)  # all-padding step or token_sum: no division
         for module, _, _ in self._trained.values():
             for p in module.parameters():
                 if p.grad is not None:
@@ -362,30 +518,43 @@ class Trainer:
     def finish_step(self) -> dict[str, float]:
         """Clip, step the optimizer(s) and schedules, zero the gradients; the step's metrics."""
         with trace.span("optimizer"):
-            return self._finish_step()
+            s = self.reduce_gradients()
+            return self._end_step(self._update(s), sequences=s["sequences"])
 
-    def _finish_step(self) -> dict[str, float]:
-        s = self.reduce_gradients()
+    def _update(self, s: dict[str, float]) -> dict[str, float]:
+        """One optimizer step of every trained module on reduced sums ``s``; its metrics."""
         start = time.perf_counter()
-        lr = float(self._trained["policy"][2].get_last_lr()[0])
-        norms = {name: _step(*part, clip=self._config.grad_clip) for name, part in self._trained.items()}
-        metrics = {"loss": s["loss"] / max(s["count"], 1.0), "grad_norm": norms["policy"], "lr": lr}
+        norms = {name: _step(module, optimizer, clip=self._config.grad_clip) for name, (module, optimizer, _) in self._trained.items()}
+        self._optimizer_steps += 1
+        count, tokens = max(s["count"], 1.0), max(s["tokens"], 1.0)
+        metrics = {"loss": s["loss"] / count, "grad_norm": norms["policy"]}
         if self.critic is not None:
-            metrics["value_loss"] = s["value_loss"] / max(s["count"], 1.0)
+            metrics["value_loss"] = s["value_loss"] / count
             metrics["critic_grad_norm"] = norms["critic"]
-        self._step += 1
-        tokens = max(s["tokens"], 1.0)
-        for name in ("clip_frac", "entropy", "is_weight", "logprob_diff"):
+            metrics["value_mean"] = s["value"] / tokens
+        for name in ("clip_frac", "approx_kl", "entropy", "is_weight", "logprob_diff"):
             metrics[name] = s[name] / tokens
+        metrics["is_weight_std"] = math.sqrt(max(s["is_weight_sq"] / tokens - metrics["is_weight"] ** 2, 0.0))
+        metrics["is_masked_frac"] = s["is_masked"] / tokens
         if self.reference is not None:
             metrics["kl"] = s["kl"] / tokens
-        if self.critic is not None:
-            metrics["value_mean"] = s["value"] / tokens
+        metrics.update(tokens=s["tokens"], sequences=s["sequences"], time_optimizer_s=time.perf_counter() - start)
+        self._begin_update()
+        return metrics
+
+    def _end_step(self, metrics: dict[str, float], *, sequences: float) -> dict[str, float]:
+        """Close the run step: LR schedules, the adaptive KL, the counters; final metrics."""
+        metrics["lr"] = float(self._trained["policy"][2].get_last_lr()[0])
+        for _, _, scheduler in self._trained.values():
+            scheduler.step()
+        if self._kl is not None and "kl" in metrics:
+            metrics["kl_coef"] = self._kl.update(metrics["kl"], int(sequences))
+        self._step += 1
+        metrics.pop("sequences", None)
         metrics.update(
-            tokens=s["tokens"],
             step=float(self._step),
+            optimizer_steps=float(self._optimizer_steps),
             time_forward_backward_s=self._fwd_bwd_s,
-            time_optimizer_s=time.perf_counter() - start,
         )
         self._begin_step()
         return metrics
@@ -451,7 +620,9 @@ class Trainer:
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds; DCP saves the DTensor shards of every rank."""
-        state: dict[str, Any] = {"step": self._step}
+        state: dict[str, Any] = {"step": self._step, "optimizer_steps": self._optimizer_steps}
+        if self._kl is not None:
+            state["kl_coef"] = self._kl.value
         for name, (module, optimizer, scheduler) in self._trained.items():
             state[name], state[f"{name}_optimizer"] = get_state_dict(module, optimizer)
             state[f"{name}_scheduler"] = scheduler.state_dict()
@@ -472,7 +643,7 @@ class Trainer:
         if not (path / ".metadata").exists():
             raise ConfigError(f"checkpoint directory {str(path)!r} holds no DCP checkpoint (no .metadata)")
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        state = self._state()
+        state = {k: v for k, v in self._state().items() if k in saved or k not in _OPTIONAL_STATE}
         key = _rng_key(self.rank)
         has_rng = f"{key}.torch" in saved  # absent when the checkpoint had fewer ranks
         if has_rng:
@@ -484,6 +655,9 @@ class Trainer:
             )
             scheduler.load_state_dict(state[f"{name}_scheduler"])
         self._step = int(state["step"])
+        self._optimizer_steps = int(state.get("optimizer_steps", self._step))
+        if self._kl is not None and "kl_coef" in state:
+            self._kl.value = float(state["kl_coef"])
         if has_rng:
             _set_rng_state(state[key])
         else:
@@ -575,6 +749,28 @@ class Trainer:
 # ---------------------------------------------------------------------- helpers
 
 
+@dataclasses.dataclass
+class _Batch:
+    """One micro-batch on the device, and what ``_prepare`` adds to it (all [B, T])."""
+
+    ids: Tensor
+    attention: Tensor
+    mask: Tensor
+    rollout: Tensor
+    advantages: Tensor  # the MicroBatch field; final token advantages once prepared
+    old: Tensor | None = None  # old log-probs; None while streaming (the current ones)
+    ref: Tensor | None = None  # reference log-probs
+    old_values: Tensor | None = None  # critic values before the batch's updates
+    returns: Tensor | None = None  # value targets (gae)
+
+
+def _policy_loss_fn(name: str) -> rl_math.PolicyLossFn:
+    try:
+        return rl_math.get_policy_loss(name)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.policy_loss: {e}") from None
+
+
 def _device() -> torch.device:
     """CUDA (the current device) when the process group runs NCCL, else CPU."""
     if dist.get_backend() == "nccl":
@@ -619,7 +815,7 @@ def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def _step(module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, *, clip: float) -> float:
+def _step(module: nn.Module, optimizer: torch.optim.Optimizer, *, clip: float) -> float:
     """Clip (when clip > 0), step, zero grads; the global gradient norm before clipping."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
@@ -628,7 +824,6 @@ def _step(module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Lambda
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(module.parameters(), clip, norm)
     optimizer.step()
-    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
 

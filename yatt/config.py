@@ -137,52 +137,162 @@ class RewardConfig:
         require(self.processes >= 1, "processes", f"must be >= 1 (got {self.processes})")
 
 
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce")
+"""The built-in ``algorithm.policy_loss`` names (``yatt.rl_math.POLICY_LOSSES``)."""
+KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    """The RL math: advantages, policy loss, KL and aggregation."""
+    """The RL math: advantages, policy loss, KL and aggregation (formulas: ``yatt.rl_math``).
+
+    Defaults are verl's where both have the knob; where yatt differs, on purpose:
+    - ``dual_clip`` 3.0 is verl's ``clip_ratio_c`` (verl always applies it to PPO; null here
+      turns it off); GSPO never dual-clips, as in verl.
+    - GSPO clamps its log sequence ratio to [-20, 20] before exp; verl clamps it above at 10
+      only. Both leave ordinary ratios untouched; yatt's also bounds a collapsing ratio.
+    - ``value_clip`` 0.5 is verl's ``cliprange_value`` (yatt used 0.2 before).
+    - ``kl_in_reward_estimator`` k1 is verl's ``algorithm.kl_penalty`` ("kl");
+      ``kl_estimator`` k3 is verl's ``kl_loss_type`` low_var_kl. k3 is clamped as in verl.
+    - ``kl_coef`` 0 (verl: 0.001) since a reference model costs memory and time; one
+      coefficient serves the loss or the reward, whichever ``kl_in_reward`` picks.
+    - ``importance_*`` follow verl's rollout correction with one switch for truncation
+      (tis, verl's rollout_is) and masking (mis, verl's rollout_rs) at one ``level``.
+    """
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
-    """Advantage estimator."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """ppo: token-level clipped ratio; gspo: sequence-level ratio."""
+    """Advantage estimator; reinforce_pp, reinforce_pp_baseline and gae whiten over the whole batch."""
+    policy_loss: str = "ppo"
+    """ppo, gspo, cispo, gmpo, sapo, clip_cov, kl_cov, gpg, reinforce, or 'package.module:function'."""
     clip_low: float = 0.2
-    """Lower clip range: ratio >= 1 - clip_low."""
+    """Lower clip range: ratio >= 1 - clip_low (gmpo: log-ratio >= -clip_low)."""
     clip_high: float = 0.2
-    """Upper clip range: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)."""
-    dual_clip: float | None = None
-    """Dual clip constant c > 1 for negative advantages; null: off."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    """How per-token losses make the step loss."""
+    """Upper clip range: ratio <= 1 + clip_high (DAPO clip-higher: 0.28; gmpo: log-ratio)."""
+    dual_clip: float | None = 3.0
+    """PPO dual clip constant c > 1 bounding the loss of negative advantages at -c A; null: off."""
+    aggregation: Literal[
+        "token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+    ] = "token_mean"
+    """How per-token losses make the step loss (seq_mean_token_sum_norm: Dr.GRPO's)."""
+    aggregation_norm: float = 0.0
+    """seq_mean_token_sum_norm's constant divisor (Dr.GRPO: the generation budget, e.g. max_new_tokens)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch; each pass takes trainer.mini_batches optimizer steps."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """PPO's old log-probs: recomputed with the batch's starting weights, or the rollout engine's (verl's bypass)."""
     kl_coef: float = 0.0
     """KL penalty coefficient against the reference model; 0: no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator."""
+    kl_estimator: KLEstimator = "k3"
+    """KL estimator of the KL loss term (k3: verl's low_var_kl; k1+/k3+: straight-through k2 gradient)."""
     kl_in_reward: bool = False
     """Fold the KL into the reward instead of adding it to the loss."""
+    kl_in_reward_estimator: KLEstimator = "k1"
+    """KL estimator when folded into the reward (verl's algorithm.kl_penalty)."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: kl_coef throughout; adaptive: steer it towards kl_target (Ziegler et al. 2019)."""
+    kl_target: float = 0.1
+    """Adaptive KL controller: the target KL per token."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller: horizon in sequences."""
     entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (the loss subtracts entropy_coef * entropy)."""
     importance_sampling: Literal["none", "tis", "mis"] = "none"
-    """Correct for train/rollout mismatch: truncated (tis) or masked (mis) importance sampling."""
+    """Correct for train/rollout mismatch: truncated (tis) or masked (mis) importance weights."""
+    importance_level: Literal["token", "sequence", "geometric"] = "token"
+    """Weight per token, per sequence (product of ratios), or their geometric mean; mis at sequence levels rejects sequences."""
     importance_cap: float = 2.0
-    """TIS cap / MIS threshold on the train-vs-rollout ratio."""
-    value_clip: float = 0.2
-    """PPO critic: value clipping range."""
+    """TIS cap / MIS upper bound on the train-vs-rollout ratio."""
+    importance_floor: float = 0.0
+    """MIS lower bound (IcePop: 0.5, cap 5); 0: none."""
+    importance_veto: float = 0.0
+    """Drop a sequence whose any token ratio falls below this (verl's veto threshold); 0: off."""
+    value_clip: float = 0.5
+    """PPO critic: value clipping range (verl's cliprange_value)."""
     gamma: float = 1.0
-    """GAE discount."""
+    """Discount of GAE and REINFORCE++ returns."""
     lam: float = 1.0
     """GAE lambda."""
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for non-positive advantages."""
+    cov_ratio: float = 2e-4
+    """Clip-Cov / KL-Cov: share of tokens whose gradient is cut / KL-penalised."""
+    cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance of the tokens that may be cut."""
+    cov_ub: float = 5.0
+    """Clip-Cov: upper bound of that covariance."""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: coefficient of |log-ratio| on the penalised tokens."""
     overlong_buffer: int = 0
     """DAPO overlong penalty: length of the soft-penalty zone before max_new_tokens; 0: off."""
     overlong_penalty: float = 1.0
     """DAPO overlong penalty at the limit."""
 
     def __post_init__(self) -> None:
+        require(
+            self.policy_loss in POLICY_LOSSES or ":" in self.policy_loss or "." in self.policy_loss,
+            "policy_loss",
+            f"must be one of {', '.join(POLICY_LOSSES)} or 'package.module:function' (got {self.policy_loss!r})",
+        )
         require(0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1) (got {self.clip_low})")
         require(self.clip_high >= 0, "clip_high", f"must be >= 0 (got {self.clip_high})")
         require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", f"must be > 1 or null (got {self.dual_clip})")
+        require(
+            (self.aggregation == "seq_mean_token_sum_norm") == (self.aggregation_norm > 0),
+            "aggregation_norm",
+            f"must be > 0 exactly when aggregation is seq_mean_token_sum_norm (got {self.aggregation_norm} "
+            f"with {self.aggregation}); Dr.GRPO uses the generation budget, controller.max_new_tokens",
+        )
+        require(
+            self.advantage != "dr_grpo" or self.aggregation == "seq_mean_token_sum_norm",
+            "aggregation",
+            f"must be seq_mean_token_sum_norm for advantage dr_grpo, Dr.GRPO's constant normaliser "
+            f"(got {self.aggregation}); set aggregation_norm too",
+        )
+        require(
+            self.policy_loss != "gmpo" or self.aggregation == "seq_mean_token_mean",
+            "aggregation",
+            f"must be seq_mean_token_mean for policy_loss gmpo, a loss per sequence (got {self.aggregation})",
+        )
+        require(self.ppo_epochs >= 1, "ppo_epochs", f"must be >= 1 (got {self.ppo_epochs})")
         require(self.kl_coef >= 0, "kl_coef", f"must be >= 0 (got {self.kl_coef})")
+        require(
+            self.kl_controller == "fixed" or self.kl_coef > 0,
+            "kl_coef",
+            "must be > 0 for kl_controller adaptive (its starting value)",
+        )
+        require(self.kl_target > 0, "kl_target", f"must be > 0 (got {self.kl_target})")
+        require(self.kl_horizon >= 1, "kl_horizon", f"must be >= 1 (got {self.kl_horizon})")
+        require(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0 (got {self.entropy_coef})")
         require(self.importance_cap > 0, "importance_cap", f"must be > 0 (got {self.importance_cap})")
+        require(
+            0 <= self.importance_floor < self.importance_cap,
+            "importance_floor",
+            f"must be in [0, importance_cap={self.importance_cap}) (got {self.importance_floor})",
+        )
+        require(
+            self.importance_floor == 0 or self.importance_sampling == "mis",
+            "importance_floor",
+            f"only masks (importance_sampling mis); got {self.importance_floor} with {self.importance_sampling}",
+        )
+        require(
+            0 <= self.importance_veto < 1, "importance_veto", f"must be in [0, 1), 0 for off (got {self.importance_veto})"
+        )
+        require(self.value_clip >= 0, "value_clip", f"must be >= 0 (got {self.value_clip})")
+        require(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1] (got {self.gamma})")
+        require(0 <= self.lam <= 1, "lam", f"must be in [0, 1] (got {self.lam})")
+        require(self.tau_pos > 0, "tau_pos", f"must be > 0 (got {self.tau_pos})")
+        require(self.tau_neg > 0, "tau_neg", f"must be > 0 (got {self.tau_neg})")
+        require(0 < self.cov_ratio <= 1, "cov_ratio", f"must be in (0, 1] (got {self.cov_ratio})")
+        require(self.cov_lb < self.cov_ub, "cov_ub", f"must exceed cov_lb={self.cov_lb} (got {self.cov_ub})")
+        require(self.kl_cov_coef >= 0, "kl_cov_coef", f"must be >= 0 (got {self.kl_cov_coef})")
         require(self.overlong_buffer >= 0, "overlong_buffer", f"must be >= 0 (got {self.overlong_buffer})")
+
+    @property
+    def batch_wide(self) -> bool:
+        """Whether the advantages need the whole batch (whitening) before the first update."""
+        return self.advantage in ("reinforce_pp", "reinforce_pp_baseline", "gae")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,6 +323,9 @@ class TrainerConfig:
     """Size of one weight-update bucket sent to the generators."""
     weight_sync_every: int = 1
     """Publish weights to the generators every N steps (N > 1 needs buffer.max_staleness >= N - 1)."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch (per ppo epoch): the rank's micro-batches split into this many
+    equal runs; must divide buffer.micro_batches_per_step."""
     critic_lr: float = 1e-5
     """PPO critic learning rate (advantage gae)."""
     seed: int = 0
@@ -228,6 +341,7 @@ class TrainerConfig:
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0 (got {self.warmup_steps})")
         require(self.total_steps >= 0, "total_steps", f"must be >= 0 (got {self.total_steps})")
         require(self.grad_clip >= 0, "grad_clip", f"must be >= 0, 0 for no clipping (got {self.grad_clip})")
+        require(self.mini_batches >= 1, "mini_batches", f"must be >= 1 (got {self.mini_batches})")
         require(self.critic_lr > 0, "critic_lr", f"must be > 0 (got {self.critic_lr})")
         require(self.weight_bucket_mb > 0, "weight_bucket_mb", f"must be > 0 (got {self.weight_bucket_mb})")
         require(self.weight_sync_every >= 1, "weight_sync_every", f"must be >= 1 (got {self.weight_sync_every})")

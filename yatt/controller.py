@@ -65,8 +65,9 @@ def sampling_seed(seed: int, key: GroupKey) -> int:
 
 
 def advantages(rewards: torch.Tensor, algorithm: AlgorithmConfig) -> torch.Tensor:
-    """Per-sequence advantages of one group [n]; GAE and REINFORCE++ ship raw rewards and
-    the trainer finishes them (they need values or batch-wide whitening)."""
+    """Per-sequence advantages of one group [n]. GAE and REINFORCE++ ship raw rewards and
+    REINFORCE++-baseline r - mean(r); the trainer finishes them (critic values, token
+    returns, whitening over the whole batch). Dr.GRPO's normaliser is the trainer's too."""
     kind = algorithm.advantage
     if kind == "grpo":
         return rl_math.grpo_advantages(rewards)

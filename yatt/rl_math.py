@@ -8,7 +8,8 @@ process, socket and model code, and are tested against hand-computed cases.
 Formulas (r: rewards of one group of n completions of a prompt; m: completion mask):
 
 - GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean(r)) / (std(r) + eps), the
-  unbiased (n - 1) std; Dr.GRPO (Liu et al. 2025) drops the std: A_i = r_i - mean(r).
+  unbiased (n - 1) std; Dr.GRPO (Liu et al. 2025) drops the std: A_i = r_i - mean(r), and
+  aggregates with a constant normaliser (``seq_mean_token_sum_norm``) instead of lengths.
 - RLOO (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = n / (n - 1) (r_i - mean(r)).
 - REINFORCE++ (Hu 2025): per-token reward = sequence reward on the last completion token
   minus kl_coef * KL_t; returns G_t = sum_{s >= t} gamma^(s - t) reward_s over completion
@@ -16,7 +17,8 @@ Formulas (r: rewards of one group of n completions of a prompt; m: completion ma
   subtracts the group mean first: A_i = r_i - mean(r).
 - GAE (Schulman et al. 2016): delta_t = r_t + gamma V_{t+1} - V_t,
   A_t = delta_t + gamma lam A_{t+1}, returns R_t = A_t + V_t; the value after the last
-  completion token is 0.
+  completion token is 0. The advantages (not the returns) are whitened over the global
+  batch, as verl does; ``token_advantages`` builds the token rewards of each estimator.
 - PPO clip (Schulman et al. 2017): rho_t = exp(logp_t - logp_old_t),
   loss_t = -min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t). DAPO
   clip-higher (Yu et al. 2025) is clip_high > clip_low. Dual clip (Ye et al. 2020): for
@@ -27,8 +29,26 @@ Formulas (r: rewards of one group of n completions of a prompt; m: completion ma
 - TIS (truncated importance sampling, Yao et al. 2025) and MIS (masked, Liu et al. 2025):
   the rollout engine's log-probs differ from the trainer's; w_t = exp(logp_old_t -
   logp_rollout_t), truncated at the cap (TIS) or zeroed above it (MIS), weights the loss.
+- CISPO (MiniMax 2025): loss_t = -sg[clip(rho_t, 1 - clip_low, 1 + clip_high)] A_t logp_t.
+- GMPO (Zhao et al. 2025): the geometric mean of the sign-aware clipped token ratios,
+  loss_i = -A_i exp(mean_t min(sgn(A) x_t, sgn(A) clip(x_t, -clip_low, clip_high)) sgn(A)),
+  x_t = logp_t - logp_old_t; one value per sequence, put on each of its tokens (so it
+  needs ``seq_mean_token_mean``, which then averages it over sequences, as verl does).
+- SAPO (Qwen 2025): loss_t = -A_t (4 / tau) sigmoid(tau (rho_t - 1)), tau = tau_pos for
+  A_t > 0, else tau_neg: a soft gate instead of the hard clip.
+- Clip-Cov / KL-Cov (Cui et al. 2025): per-token cov_t = (A_t - mean A)(logp_t - mean logp)
+  over the micro-batch. Clip-Cov zeroes the gradient of a random ``ratio`` share of the
+  unclipped tokens whose cov lies in (lb, ub); KL-Cov adds coef |x_t| to the top ``ratio``
+  share by cov. Both are plain PPO clip otherwise.
+- GPG (Chu et al. 2025) and plain REINFORCE: loss_t = -A_t logp_t (no ratio, no clip).
+- Off-policy correction from the rollout engine's log-probs, per token, per sequence
+  (product of the token ratios) or geometric (their geometric mean): truncated (TIS,
+  w = min(w, cap)) or masked (MIS/IcePop: w = 0 outside [floor, cap]); a sequence with a
+  token ratio below the veto threshold is dropped whole.
 - KL estimators (Schulman 2020, "Approximating KL divergence"), x = logp - logp_ref:
-  k1 = x, k2 = x^2 / 2, k3 = exp(-x) + x - 1.
+  k1 = x, abs = |x|, k2 = x^2 / 2, k3 = exp(-x) + x - 1 computed as verl and OpenRLHF do,
+  with -x clamped to [-20, 20] and k3 to [-10, 10] (unclamped, x = -90 overflows float32).
+  ``k1+`` and ``k3+`` are straight-through: the value of k1 / k3, the gradient of k2.
 - DAPO overlong punishment: a linear penalty from 0 to -penalty over the last ``buffer``
   tokens before max_new_tokens, -penalty at or past the limit.
 - PPO value clip: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
@@ -38,6 +58,11 @@ completion, right-padded). Position t of a log-prob or entropy tensor belongs to
 it comes from the logits at position t - 1, which predict token t; position 0 predicts
 nothing and is 0. A ``mask`` [B, T] (bool, or 0/1 of any dtype) is True on the completion
 tokens that are trained on; per-token outputs are 0 where it is False.
+
+Aggregation modes (verl's names with underscores): token_mean (sum over tokens / tokens),
+token_sum (no division), seq_mean_token_mean (mean over sequences of their token means),
+seq_mean_token_sum (mean over sequences of their token sums), seq_mean_token_sum_norm
+(seq_mean_token_sum / a constant, Dr.GRPO's length-unbiased normaliser).
 
 Aggregation is split into ``loss_sum`` (numerator) and ``loss_count`` (denominator)
 because micro-batches are streamed: the first backward runs before the step's global
@@ -49,14 +74,20 @@ exactly, for any number of ranks and micro-batches (dividing per micro-batch wou
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
-AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+AggregationMode = Literal[
+    "token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
+_KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
 
 # Largest logits chunk (elements) upcast at once in token_logprobs / entropy_from_logits:
 # 2**26 float32 values are 256 MiB, so a 150k vocabulary is processed ~450 tokens at a time.
@@ -64,7 +95,13 @@ _CHUNK_ELEMENTS = 2**26
 # Bound on |log ratio| before exp: keeps ratios finite (e**20 ~ 5e8) when one token's
 # log-probs disagree wildly, instead of turning the whole step's loss into inf or nan.
 _MAX_LOG_RATIO = 20.0
-_BAD_MODE = "mode must be token_mean, seq_mean_token_mean or seq_mean_token_sum (got {!r})"
+_BAD_MODE = (
+    "mode must be token_mean, token_sum, seq_mean_token_mean, seq_mean_token_sum or "
+    "seq_mean_token_sum_norm (got {!r})"
+)
+# verl's and OpenRLHF's bounds on k3: its log-ratio to +-20, its value to [-10, 10].
+_K3_LOG_RATIO = 20.0
+_K3_MAX = 10.0
 
 
 def _require_ndim(name: str, t: Tensor, ndim: int, what: str) -> None:
@@ -151,6 +188,48 @@ def reinforce_pp_returns(
         running = torch.where(m[:, t], token_rewards[:, t] + gamma * running, running)
         returns[:, t] = running.masked_fill(~m[:, t], 0.0)
     return returns
+
+
+def token_advantages(
+    kind: str,
+    field: Tensor,
+    mask: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Token advantages [B, T] (before any batch whitening) and returns [B, T] or None.
+
+    ``field`` [B, T] is what the controller put on each completion token: the sequence's
+    reward for ``gae`` and ``reinforce_pp``, its final advantage otherwise. ``kl`` [B, T]
+    (detached, the KL-in-reward estimate) enters as a per-token reward -kl_coef * kl:
+    GAE's token rewards, REINFORCE++'s returns, or a reward-to-go added to the others.
+    ``values`` [B, T] are the critic's, needed by ``gae``.
+    """
+    _require_ndim("field", field, 2, "the micro-batch's advantages field, [B, T]")
+    m = _as_mask(mask, "field", field)
+    f = _as_float(field).masked_fill(~m, 0.0)
+    last = m & (m.cumsum(-1) == m.sum(-1, keepdim=True))  # [B, T] last completion token
+    if kl is not None:
+        _require_same("kl", kl, "field", field)
+        kl = kl.detach()
+    if kind == "gae":
+        if values is None:
+            raise ValueError("advantage gae needs the critic's values")
+        rewards = f.masked_fill(~last, 0.0)
+        if kl is not None:
+            rewards = rewards - kl_coef * kl.masked_fill(~m, 0.0)
+        return gae(rewards, values, m, gamma=gamma, lam=lam)
+    if kind == "reinforce_pp":
+        returns = reinforce_pp_returns(f.masked_fill(~last, 0.0).sum(-1), m, kl=kl, kl_coef=kl_coef, gamma=gamma)
+        return returns, returns
+    if kl is not None:
+        no_reward = torch.zeros(f.shape[0], dtype=f.dtype, device=f.device)
+        f = f + reinforce_pp_returns(no_reward, m, kl=kl, kl_coef=kl_coef, gamma=gamma)
+    return f, None
 
 
 def masked_moments(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -355,44 +434,297 @@ def policy_loss(
     return loss, dict(zip((*names, "approx_kl"), values, strict=True))
 
 
+def _loss_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Checked (mask, detached advantages [B, T], masked log-ratio [B, T]) of a policy loss."""
+    _require_ndim("logprobs", logprobs, 2, "token log-probs, [B, T]")
+    _require_same("old_logprobs", old_logprobs, "logprobs", logprobs)
+    m = _as_mask(mask, "logprobs", logprobs)
+    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
+        advantages = advantages[:, None].expand_as(logprobs)
+    _require_same("advantages", advantages, "logprobs", logprobs)
+    log_ratio = (logprobs - old_logprobs.detach()).masked_fill(~m, 0.0)
+    return m, advantages.detach(), log_ratio
+
+
+def _check_clip(clip_low: float, clip_high: float) -> None:
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0 (got {clip_low}, {clip_high})")
+
+
+def _stats(m: Tensor, log_ratio: Tensor, **fractions: Tensor) -> dict[str, float]:
+    """Masked means of boolean ``fractions`` and approx_kl (k3 of KL(old || new)), one sync."""
+    with torch.no_grad():
+        n = m.sum().clamp(min=1).double()
+        x = log_ratio.detach().double().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        values = [f.double().masked_fill(~m, 0.0).sum() / n for f in fractions.values()]
+        values.append((torch.exp(x) - 1.0 - x).masked_fill(~m, 0.0).sum() / n)
+        return dict(zip((*fractions, "approx_kl"), torch.stack(values).tolist(), strict=True))
+
+
+def cispo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO per-token loss [B, T]: -sg[clip(rho)] A logp; every token keeps a gradient."""
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    _check_clip(clip_low, clip_high)
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).detach()
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = (-clipped * adv * logprobs).masked_fill(~m, 0.0)
+    return loss, _stats(m, log_ratio, clip_frac=clipped != ratio)
+
+
+def gmpo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, dict[str, float]]:
+    """GMPO: each sequence's loss [B] put on each of its tokens, [B, T] (use seq_mean_token_mean).
+
+    The clip acts on the log-ratio: x_t clipped to [-clip_low, clip_high] on the side the
+    advantage's sign makes pessimistic, as verl's ``geo_mean`` (whose paper default is 0.4).
+    """
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    if not (clip_low >= 0.0 and clip_high >= 0.0):
+        raise ValueError(f"need clip_low >= 0 and clip_high >= 0 (got {clip_low}, {clip_high})")
+    sign = torch.sign(adv)
+    clamped = log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)  # [B, T]
+    lengths = m.sum(-1).clamp(min=1)  # [B]
+    seq_ratio = torch.exp((pessimistic.masked_fill(~m, 0.0).sum(-1) / lengths).clamp(max=_MAX_LOG_RATIO))
+    seq_adv = adv.masked_fill(~m, 0.0).sum(-1) / lengths  # [B]
+    loss = (-seq_adv * seq_ratio)[:, None].expand_as(logprobs).masked_fill(~m, 0.0)
+    clipped = clamped != log_ratio
+    return loss, _stats(m, log_ratio, clip_frac=clipped, clip_high_frac=clipped & (adv > 0))
+
+
+def sapo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, tau_pos: float, tau_neg: float
+) -> tuple[Tensor, dict[str, float]]:
+    """SAPO per-token loss [B, T]: -A (4 / tau) sigmoid(tau (rho - 1)), a soft trust region."""
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"need tau_pos > 0 and tau_neg > 0 (got {tau_pos}, {tau_neg})")
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    loss = (-adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)).masked_fill(~m, 0.0)
+    return loss, _stats(m, log_ratio)
+
+
+def _covariance(logprobs: Tensor, adv: Tensor, m: Tensor) -> Tensor:
+    """cov_t = (A_t - mean A)(logp_t - mean logp) over the masked tokens, [B, T] detached."""
+    n = m.sum().clamp(min=1)
+    lp = logprobs.detach()
+    mean_adv = adv.masked_fill(~m, 0.0).sum() / n
+    mean_lp = lp.masked_fill(~m, 0.0).sum() / n
+    return (adv - mean_adv) * (lp - mean_lp)
+
+
+def clip_cov_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    ratio: float,
+    lb: float,
+    ub: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clip-Cov: PPO clip, plus the gradient of a random ``ratio`` share of the masked
+    tokens (at least one) that the clip left alone and whose cov lies in (lb, ub) is cut."""
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    _check_clip(clip_low, clip_high)
+    if not (ratio > 0 and lb < ub):
+        raise ValueError(f"need ratio > 0 and lb < ub (got ratio={ratio}, lb={lb}, ub={ub})")
+    rho = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    unclipped, clipped = -adv * rho, -adv * rho.clamp(1.0 - clip_low, 1.0 + clip_high)
+    by_clip = (clipped > unclipped) & m
+    cov = _covariance(logprobs, adv, m)
+    candidates = torch.nonzero((cov > lb) & (cov < ub) & m & ~by_clip)  # [K, 2]
+    count = max(int(ratio * int(m.sum())), 1)
+    keep = torch.ones_like(adv)
+    if len(candidates):
+        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count].to(candidates.device)]
+        keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    loss = (torch.maximum(unclipped, clipped) * keep).masked_fill(~m, 0.0)
+    return loss, _stats(m, log_ratio, clip_frac=keep == 0)
+
+
+def kl_cov_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, ratio: float, coef: float
+) -> tuple[Tensor, dict[str, float]]:
+    """KL-Cov: -A rho per token, plus coef |logp - logp_old| on the top ``ratio`` share
+    (at least one) of the masked tokens by cov."""
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    if not (ratio > 0 and coef >= 0):
+        raise ValueError(f"need ratio > 0 and coef >= 0 (got ratio={ratio}, coef={coef})")
+    rho = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    loss = -adv * rho
+    penalised = torch.zeros_like(m)
+    flat = torch.nonzero(m.reshape(-1)).squeeze(1)  # [N] masked positions
+    if len(flat):
+        cov = _covariance(logprobs, adv, m).reshape(-1)[flat]
+        top = flat[torch.topk(cov, max(1, int(len(flat) * ratio))).indices]
+        penalised.view(-1)[top] = True
+        loss = torch.where(penalised, loss + coef * log_ratio.abs(), loss)
+    return loss.masked_fill(~m, 0.0), _stats(m, log_ratio, clip_frac=penalised)
+
+
+def reinforce_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """Plain REINFORCE (and GPG's loss): -A logp per token [B, T], no ratio and no clip."""
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    return (-adv * logprobs).masked_fill(~m, 0.0), _stats(m, log_ratio)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossParams:
+    """The knobs of the built-in policy losses (``algorithm.*`` of the same names)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    cov_ratio: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
+
+
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, LossParams], tuple[Tensor, dict[str, float]]]
+"""(logprobs, old_logprobs, advantages, mask, params) -> (per-token loss [B, T], float stats)."""
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "ppo": lambda lp, old, a, m, p: policy_loss(
+        lp, old, a, m, kind="ppo", clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip
+    ),
+    "gspo": lambda lp, old, a, m, p: policy_loss(
+        lp, old, a, m, kind="gspo", clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=None
+    ),
+    "cispo": lambda lp, old, a, m, p: cispo_loss(lp, old, a, m, clip_low=p.clip_low, clip_high=p.clip_high),
+    "gmpo": lambda lp, old, a, m, p: gmpo_loss(lp, old, a, m, clip_low=p.clip_low, clip_high=p.clip_high),
+    "sapo": lambda lp, old, a, m, p: sapo_loss(lp, old, a, m, tau_pos=p.tau_pos, tau_neg=p.tau_neg),
+    "clip_cov": lambda lp, old, a, m, p: clip_cov_loss(
+        lp, old, a, m, clip_low=p.clip_low, clip_high=p.clip_high, ratio=p.cov_ratio, lb=p.cov_lb, ub=p.cov_ub
+    ),
+    "kl_cov": lambda lp, old, a, m, p: kl_cov_loss(lp, old, a, m, ratio=p.cov_ratio, coef=p.kl_cov_coef),
+    "gpg": lambda lp, old, a, m, p: reinforce_loss(lp, old, a, m),
+    "reinforce": lambda lp, old, a, m, p: reinforce_loss(lp, old, a, m),
+}
+"""The built-in policy losses by ``algorithm.policy_loss`` name."""
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """A built-in loss by name, or a user's ``package.module:function`` with PolicyLossFn's signature."""
+    if name in POLICY_LOSSES:
+        return POLICY_LOSSES[name]
+    module_name, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        builtin = ", ".join(POLICY_LOSSES)
+        raise ValueError(f"{name!r} is neither a built-in loss ({builtin}) nor importable ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"{name!r} is not a function")
+    return cast(PolicyLossFn, fn)
+
+
+ImportanceKind = Literal["none", "tis", "mis"]
+ImportanceLevel = Literal["token", "sequence", "geometric"]
+
+
 def importance_weights(
     old_logprobs: Tensor,
     rollout_logprobs: Tensor,
     mask: Tensor,
     *,
-    kind: Literal["none", "tis", "mis"],
+    kind: ImportanceKind,
     cap: float,
+    level: ImportanceLevel = "token",
+    floor: float = 0.0,
+    veto: float = 0.0,
 ) -> Tensor:
-    """Detached per-token weights [B, T] correcting for trainer-vs-rollout-engine mismatch."""
+    """Detached weights [B, T] correcting for the trainer-vs-rollout-engine mismatch.
+
+    The ratio is exp(old - rollout) per token (``level`` token), the product of a
+    sequence's token ratios (sequence) or their geometric mean (geometric), put on every
+    token of the sequence. ``tis`` truncates it at ``cap``; ``mis`` zeroes it outside
+    [``floor``, ``cap``] (at sequence level that rejects the whole sequence). ``veto`` > 0
+    zeroes every sequence with a token ratio below it. 0 where mask is False.
+    """
     _require_ndim("old_logprobs", old_logprobs, 2, "token log-probs, [B, T]")
     _require_same("rollout_logprobs", rollout_logprobs, "old_logprobs", old_logprobs)
     m = _as_mask(mask, "old_logprobs", old_logprobs)
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0 (got {cap})")
+    if not cap > 0 or not 0 <= floor < cap:
+        raise ValueError(f"need cap > 0 and 0 <= floor < cap (got cap={cap}, floor={floor})")
+    if not veto >= 0:
+        raise ValueError(f"veto must be >= 0, 0 for none (got {veto})")
+    if kind not in ("none", "tis", "mis"):
+        raise ValueError(f"kind must be 'none', 'tis' or 'mis' (got {kind!r})")
+    if level not in ("token", "sequence", "geometric"):
+        raise ValueError(f"level must be 'token', 'sequence' or 'geometric' (got {level!r})")
     with torch.no_grad():
-        ratio = torch.exp((old_logprobs - rollout_logprobs).masked_fill(~m, 0.0))  # [B, T]
+        log_ratio = (old_logprobs.double() - rollout_logprobs.double()).masked_fill(~m, 0.0)  # [B, T]
+        if level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+        elif level == "geometric":
+            log_ratio = (log_ratio.sum(-1) / m.sum(-1).clamp(min=1))[:, None].expand_as(log_ratio)
+        ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [B, T]
         if kind == "none":
             weights = torch.ones_like(ratio)
         elif kind == "tis":
             weights = ratio.clamp(max=cap)
-        elif kind == "mis":
-            weights = ratio.masked_fill(~(ratio <= cap), 0.0)  # a nan ratio is dropped too
-        else:
-            raise ValueError(f"kind must be 'none', 'tis' or 'mis' (got {kind!r})")
-        return weights.masked_fill(~m, 0.0)
+        else:  # a nan ratio is dropped too
+            weights = ratio.masked_fill(~((ratio >= floor) & (ratio <= cap)), 0.0)
+        if veto > 0:
+            token_ratio = torch.exp((old_logprobs.double() - rollout_logprobs.double()).masked_fill(~m, 0.0))
+            vetoed = ((token_ratio < veto) & m).any(-1, keepdim=True)  # [B, 1]
+            weights = weights.masked_fill(vetoed, 0.0)
+        return weights.to(old_logprobs.dtype).masked_fill(~m, 0.0)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, kind: Literal["k1", "k2", "k3"]) -> Tensor:
-    """Per-token KL(policy || reference) estimate [B, T] from sampled-token log-probs."""
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, *, kind: KLEstimator) -> Tensor:
+    """Per-token KL(policy || reference) estimate [B, T] from sampled-token log-probs.
+
+    k3 is clamped as verl and OpenRLHF do (see the module docstring); ``k1+`` and ``k3+``
+    have the value of k1 / k3 and the gradient of k2.
+    """
     _require_same("ref_logprobs", ref_logprobs, "logprobs", logprobs)
+    if kind not in _KL_ESTIMATORS:
+        raise ValueError(f"kind must be one of {', '.join(_KL_ESTIMATORS)} (got {kind!r})")
     x = logprobs - ref_logprobs
-    if kind == "k1":
-        return x
-    if kind == "k2":
-        return 0.5 * x * x
-    if kind == "k3":
-        return torch.exp(-x) + x - 1.0
-    raise ValueError(f"kind must be 'k1', 'k2' or 'k3' (got {kind!r})")
+    base = kind.rstrip("+")
+    if base == "k1":
+        value = x
+    elif base == "abs":
+        value = x.abs()
+    elif base == "k2":
+        value = 0.5 * x * x
+    else:
+        neg = (-x).clamp(-_K3_LOG_RATIO, _K3_LOG_RATIO)
+        value = (torch.exp(neg) - neg - 1.0).clamp(-_K3_MAX, _K3_MAX)
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * x * x
+    return k2 - k2.detach() + value.detach()
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019), as verl's: after each batch,
+    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon, n the batch's sequences."""
+
+    def __init__(self, coef: float, *, target: float, horizon: int) -> None:
+        if not (coef >= 0 and target > 0 and horizon >= 1):
+            raise ValueError(f"need coef >= 0, target > 0, horizon >= 1 (got {coef}, {target}, {horizon})")
+        self.value, self.target, self.horizon = coef, target, horizon
+
+    def update(self, kl: float, n: int) -> float:
+        """Move the coefficient towards the target given the batch's mean KL; returns it."""
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n / self.horizon
+        return self.value
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float) -> Tensor:
@@ -412,25 +744,36 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 # ----------------------------------------------------------------------------- aggregation
 
 
-def loss_sum(per_token: Tensor, mask: Tensor, *, mode: AggregationMode) -> Tensor:
-    """This micro-batch's numerator of the step loss (a 0-D tensor); see the module docstring."""
+def loss_sum(per_token: Tensor, mask: Tensor, *, mode: AggregationMode, norm: float = 0.0) -> Tensor:
+    """This micro-batch's numerator of the step loss (a 0-D tensor); see the module docstring.
+
+    ``norm``: seq_mean_token_sum_norm's constant divisor of each sequence's token sum
+    (Dr.GRPO: the generation budget), which keeps the loss unbiased in length.
+    """
     _require_ndim("per_token", per_token, 2, "a per-token loss, [B, T]")
     m = _as_mask(mask, "per_token", per_token)
     row_sums = per_token.masked_fill(~m, 0.0).sum(-1)  # [B]
-    if mode in ("token_mean", "seq_mean_token_sum"):
+    if mode in ("token_mean", "token_sum", "seq_mean_token_sum"):
         return row_sums.sum()
     if mode == "seq_mean_token_mean":
         return (row_sums / m.sum(-1).clamp(min=1)).sum()  # empty rows: 0 / 1
+    if mode == "seq_mean_token_sum_norm":
+        if not norm > 0:
+            raise ValueError(f"seq_mean_token_sum_norm needs norm > 0 (got {norm})")
+        return row_sums.sum() / norm
     raise ValueError(_BAD_MODE.format(mode))
 
 
 def loss_count(mask: Tensor, *, mode: AggregationMode) -> Tensor:
-    """This micro-batch's denominator (0-D int64): masked tokens, or rows with any masked token."""
+    """This micro-batch's denominator (0-D int64): masked tokens, rows with any masked
+    token, or 0 for token_sum (the trainer divides by max(global count, 1))."""
     _require_ndim("mask", mask, 2, "the completion mask, [B, T]")
     m = mask if mask.dtype == torch.bool else mask != 0
     if mode == "token_mean":
         return m.sum()
-    if mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
+    if mode == "token_sum":
+        return torch.zeros((), dtype=torch.int64, device=m.device)
+    if mode in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
         return m.any(-1).sum()
     raise ValueError(_BAD_MODE.format(mode))
 

@@ -34,7 +34,7 @@ import torch
 from protocols.codec import decode, encode
 from protocols.messages import GroupKey, MicroBatch, ScoredGroup
 from yatt.config import BufferConfig
-from yatt.errors import ConfigError
+from yatt.errors import ConfigError, ProtocolError
 from yatt.ledger import Ledger
 
 Filter = Callable[[ScoredGroup], str]
@@ -55,6 +55,42 @@ def load_filter(path: str, field: str) -> Filter:
     if not callable(fn):
         raise ConfigError(f"{field} = {path!r} is not a function")
     return fn  # type: ignore[no-any-return]
+
+
+def validate_group(group: ScoredGroup, group_size: int) -> None:
+    """Refuse a group whose fields disagree in length or hold non-finite numbers.
+
+    The wire codec checks types; this checks what would otherwise poison a micro-batch:
+    per-sample lengths (token ids vs rollout log-probs), per-group tensors of length n
+    (a length-1 tensor would broadcast silently), NaN or inf rewards, advantages or
+    log-probs. Raises ``ProtocolError`` naming the field.
+    """
+    where = f"ScoredGroup {group.group_key.as_str()}"
+    n = len(group.completion_ids)
+    if n != group_size:
+        raise ProtocolError(f"{where}: completion_ids has {n} samples; buffer.group_size is {group_size}")
+    if group.prompt_ids.dim() != 1 or group.prompt_ids.numel() == 0:
+        raise ProtocolError(f"{where}: prompt_ids must be [P] with P >= 1 (got {tuple(group.prompt_ids.shape)})")
+    for name in ("rollout_logprobs", "finish_reasons"):
+        if len(getattr(group, name)) != n:
+            raise ProtocolError(f"{where}: {name} has {len(getattr(group, name))} entries, completion_ids {n}")
+    for name in ("rewards", "advantages", "policy_versions"):
+        shape = tuple(getattr(group, name).shape)
+        if shape != (n,):
+            raise ProtocolError(f"{where}: {name} must have shape ({n},), one per sample (got {shape})")
+    for i, (ids, logprobs) in enumerate(zip(group.completion_ids, group.rollout_logprobs, strict=True)):
+        if ids.dim() != 1:
+            raise ProtocolError(f"{where}: completion_ids[{i}] must be 1-D (got shape {tuple(ids.shape)})")
+        if logprobs.shape != ids.shape:
+            raise ProtocolError(
+                f"{where}: rollout_logprobs[{i}] has shape {tuple(logprobs.shape)}, "
+                f"completion_ids[{i}] {tuple(ids.shape)}; one log-prob per token"
+            )
+        if not bool(torch.isfinite(logprobs).all()):
+            raise ProtocolError(f"{where}: rollout_logprobs[{i}] holds NaN or inf")
+    for name in ("rewards", "advantages"):
+        if not bool(torch.isfinite(getattr(group, name)).all()):
+            raise ProtocolError(f"{where}: {name} holds NaN or inf ({getattr(group, name).tolist()})")
 
 
 _SCALARS = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "plan_seq")
@@ -163,7 +199,12 @@ class SamplingBuffer:
     # ------------------------------------------------------------ controllers' side
 
     def offer(self, group: ScoredGroup) -> str:
-        """Take one scored group; returns the decision ("accepted", "filtered: ...", ...)."""
+        """Take one scored group; returns the decision ("accepted", "filtered: ...", ...).
+
+        A malformed group raises ``ProtocolError`` (``validate_group``) before the ledger
+        records anything about it.
+        """
+        validate_group(group, self.config.group_size)
         key = group.group_key
         g = self.position(key)
         if g < self.cursor or g in self.decided:
@@ -174,11 +215,6 @@ class SamplingBuffer:
             self.stats.superseded += 1
             self.ledger.record(key, "superseded", f"attempt {self.attempts.get(g, 0)} is current")
             return "superseded"
-        if len(group.completion_ids) != self.config.group_size:
-            raise ValueError(
-                f"group {key.as_str()} has {len(group.completion_ids)} samples; "
-                f"buffer.group_size is {self.config.group_size}"
-            )
         reason = self._filter_reason(group)
         version = int(group.policy_versions.min())
         if reason:

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from protocols.messages import GroupKey, MicroBatch
 from workers.trainer import Trainer, _plan_buckets
 from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from yatt.errors import ProtocolError
+from yatt.errors import ConfigError, ProtocolError
 
 Results = dict[str, Any]
 Batch = dict[str, torch.Tensor]
@@ -214,7 +214,61 @@ def resumed(rank: int, model_dir: str, out: str, ckpt: str) -> None:
     results["gae"] = [critic.train_step(rank_batches(batch, SPLITS_2[rank], s, rank)) for s in range(6)]
 
     with pytest.raises(ProtocolError, match="disagree on MicroBatch.count"):
-        critic.accumulate(micro_batch(batch, [rank], step=6, rank=rank, index=0, count=1 + rank))
+        critic.train_step([micro_batch(batch, [rank], step=6, rank=rank, index=0, count=1 + rank)])
+    if rank == 0:
+        torch.save(results, out)
+
+
+def several_updates(rank: int, model_dir: str, out: str) -> None:
+    """2 ranks: mini-batches and epochs, batch-wide whitening, the rollout-log-prob mode."""
+    batch, results = make_batch(), Results()
+    # PPO, 2 mini-batches x 2 epochs per batch (each rank has 2 micro-batches): 4 updates,
+    # the later ones off-policy against the batch's starting log-probs, so the clip binds.
+    algo = AlgorithmConfig(ppo_epochs=2, clip_low=0.2, clip_high=0.28)
+    trainer = make_trainer(model_dir, algo, lr=2e-2, mini_batches=2, warmup_steps=2, schedule="linear", total_steps=4)
+    nll = [batch_nll(trainer, batch)]
+    results["ppo"] = []
+    for step in range(3):
+        results["ppo"].append(trainer.train_step(rank_batches(supervised(batch), SPLITS_2[rank], step, rank)))
+        nll.append(batch_nll(trainer, batch))
+    results["ppo_nll"], results["ppo_versions"] = nll, (trainer.step, trainer.optimizer_steps)
+
+    # REINFORCE++: the batch's advantages after whitening, gathered from both ranks.
+    rpp = make_trainer(model_dir, AlgorithmConfig(advantage="reinforce_pp", gamma=0.9))
+    prepared = [rpp._inputs(mb) for mb in rank_batches(batch, SPLITS_2[rank], 0, rank)]
+    for b in prepared:
+        rpp._prepare(b)
+    raw = [b.advantages.clone() for b in prepared]
+    rpp._whiten(prepared)
+    mine = {
+        "raw": torch.cat([a[b.mask] for a, b in zip(raw, prepared, strict=True)]),
+        "whitened": torch.cat([b.advantages[b.mask] for b in prepared]),
+    }
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, mine)
+    results["rpp"] = gathered
+    results["rpp_step"] = rpp.train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
+
+    # verl's bypass: PPO against the rollout log-probs, deliberately stale (random), IcePop-masked.
+    stale = AlgorithmConfig(old_logprobs="rollout", importance_sampling="mis", importance_floor=0.5, importance_cap=5.0)
+    bypass = make_trainer(model_dir, stale, mini_batches=2)
+    results["stale"] = bypass.train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
+    streaming = make_trainer(model_dir, stale)  # one update per batch: streamed, same old log-probs
+    results["stale_streaming"] = streaming.train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
+    with pytest.raises(ConfigError, match="trainer.mini_batches=4 must divide"):
+        make_trainer(model_dir, algo, mini_batches=4).train_step(rank_batches(batch, SPLITS_2[rank], 0, rank))
+
+    # Adaptive KL in the reward: the reference equals the policy at first (KL ~ 0 < target),
+    # so the coefficient first shrinks by (1 - 0.2 * sequences / horizon), then follows the KL.
+    adaptive = AlgorithmConfig(kl_coef=0.05, kl_in_reward=True, kl_controller="adaptive", kl_horizon=100)
+    kl_trainer = make_trainer(model_dir, adaptive)
+    results["adaptive"] = [kl_trainer.train_step(rank_batches(batch, SPLITS_2[rank], s, rank)) for s in range(2)]
+    # A user's loss by dotted path; a bad path is a ConfigError naming the field.
+    custom = make_trainer(model_dir, AlgorithmConfig(policy_loss="tests.yatt.test_rl_math:my_loss"))
+    results["custom_nll"] = batch_nll(custom, batch)
+    results["custom"] = custom.train_step(rank_batches(supervised(batch), SPLITS_2[rank], 0, rank))
+    with pytest.raises(ConfigError, match="algorithm.policy_loss: 'no_such.module:fn'"):
+        make_trainer(model_dir, AlgorithmConfig(policy_loss="no_such.module:fn"))
     if rank == 0:
         torch.save(results, out)
 
@@ -260,6 +314,12 @@ def two(tiny_model_dir: Path, work_dir: Path) -> Results:
 def resume(two: Results, tiny_model_dir: Path, work_dir: Path) -> Results:
     spawn(resumed, 2, str(tiny_model_dir), str(work_dir / "resumed.pt"), str(work_dir / "ckpt"))
     return torch.load(work_dir / "resumed.pt", weights_only=False)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def several(tiny_model_dir: Path, work_dir: Path) -> Results:
+    spawn(several_updates, 2, str(tiny_model_dir), str(work_dir / "several.pt"))
+    return torch.load(work_dir / "several.pt", weights_only=False)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- tests
@@ -368,7 +428,8 @@ def test_weight_buckets_reassemble_the_exported_state_dict(two: Results, work_di
 
 def test_ppo_critic_learns_and_kl_starts_at_zero(resume: Results) -> None:
     steps = resume["gae"]
-    assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0
+    # The metric is the reward's estimator (k1, kl_in_reward): 0 at first, then either sign.
+    assert steps[0]["kl"] == 0.0 and abs(steps[-1]["kl"]) > 1e-4
     losses = [m["value_loss"] for m in steps]
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(m["critic_grad_norm"] > 0 for m in steps)
@@ -392,3 +453,50 @@ def test_cuda_bf16_training_export_and_buckets(tiny_model_dir: Path, tmp_path: P
     gathered = {n: t for b in results["buckets"] for n, t in zip(b.names, b.tensors, strict=True)}
     assert gathered.keys() == exported.keys()
     assert all(torch.equal(gathered[n], exported[n]) for n in gathered)
+
+
+def test_mini_batches_and_epochs_take_several_updates_and_the_clip_binds(several: Results) -> None:
+    steps = several["ppo"]
+    assert several["ppo_versions"] == (3, 12)  # 3 run steps (versions), 2 x 2 updates each
+    assert [m["step"] for m in steps] == [1.0, 2.0, 3.0]
+    assert [m["optimizer_steps"] for m in steps] == [4.0, 8.0, 12.0]
+    # The schedule advances per run step: warmup 2 then linear decay to step 4.
+    assert [m["lr"] for m in steps] == pytest.approx([1e-2, 2e-2, 2e-2])
+    # Old log-probs are the batch's starting ones: the later updates see ratios != 1.
+    assert all(m["approx_kl"] > 0 for m in steps)
+    assert max(m["clip_frac_last"] for m in steps) > 0.0
+    assert several["ppo_nll"][-1] < several["ppo_nll"][0]  # supervised advantages: it learns
+
+
+def test_reinforce_pp_advantages_are_whitened_over_both_ranks(several: Results) -> None:
+    raw = torch.cat([g["raw"] for g in several["rpp"]]).double()
+    whitened = torch.cat([g["whitened"] for g in several["rpp"]]).double()
+    expected = (raw - raw.mean()) / torch.sqrt(raw.var() + 1e-8)  # verl's masked_whiten, global
+    torch.testing.assert_close(whitened, expected, atol=1e-5, rtol=0)
+    assert abs(float(whitened.mean())) < 1e-5 and float(whitened.std()) == pytest.approx(1.0, abs=1e-4)
+    # Each rank alone is not centred: only the all-reduced moments make the global mean 0.
+    assert abs(float(several["rpp"][0]["whitened"].mean())) > 1e-3
+    assert math.isfinite(several["rpp_step"]["loss"])
+
+
+def test_rollout_log_prob_mode_masks_a_stale_batch(several: Results) -> None:
+    m = several["stale"]
+    # Random rollout log-probs are far from the policy's: IcePop [0.5, 5] masks some tokens.
+    assert 0.0 < m["is_masked_frac"] < 1.0
+    assert m["is_weight_std"] > 0.0 and m["optimizer_steps"] == 2.0
+    # Streamed (one update), the ratio is against the rollout log-probs too: far from 1.
+    streamed = several["stale_streaming"]
+    assert streamed["optimizer_steps"] == 1.0 and streamed["approx_kl"] > 0.01
+    assert 0.0 < streamed["is_masked_frac"] < 1.0
+
+
+def test_adaptive_kl_and_a_custom_loss_in_the_trainer(several: Results) -> None:
+    first, second = several["adaptive"]
+    assert first["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert first["kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 100))  # 8 sequences, 2 ranks
+    error = min(max(second["kl"] / 0.1 - 1, -0.2), 0.2)  # verl's update with the step's KL
+    assert second["kl"] != 0.0
+    assert second["kl_coef"] == pytest.approx(first["kl_coef"] * (1 + error * 8 / 100))
+    # my_loss is -A logp: with advantages 1 the step loss is the batch's mean NLL (~ log V at init).
+    assert several["custom"]["loss"] == pytest.approx(several["custom_nll"], rel=1e-4)
+    assert several["custom"]["clip_frac"] == 0.0

@@ -4,7 +4,12 @@ wave exists (before the step's batch is complete), checkpoints and stats."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+import torch
 
 from protocols.messages import (
     Ack,
@@ -15,6 +20,7 @@ from protocols.messages import (
     PlanRequest,
     PolicyVersion,
     Query,
+    ScoredGroup,
 )
 from tests.yatt.test_sampling import N_PROMPTS, make_group
 from yatt.actor import Client
@@ -117,3 +123,41 @@ async def test_every_ack_comes_after_its_decision_is_on_disk(transport: Transpor
             acked += 1
             assert on_disk() >= acked
         assert on_disk() == len(keys) == 4
+
+
+def _bad(field: str) -> Callable[[ScoredGroup], ScoredGroup]:
+    """A corruption of one field of a good group (n = 2, completion lengths >= 1)."""
+
+    def corrupt(g: ScoredGroup) -> ScoredGroup:
+        if field == "rollout_logprobs":  # one sample's log-probs one token short
+            return dataclasses.replace(g, rollout_logprobs=[g.rollout_logprobs[0][:-1], g.rollout_logprobs[1]])
+        if field == "rewards":  # NaN reward
+            return dataclasses.replace(g, rewards=torch.tensor([float("nan"), 0.0]))
+        if field == "advantages":  # a length-1 tensor that would broadcast over the group
+            return dataclasses.replace(g, advantages=torch.tensor([0.5]))
+        if field == "advantages inf":
+            return dataclasses.replace(g, advantages=torch.tensor([float("inf"), 0.0]))
+        if field == "finish_reasons":
+            return dataclasses.replace(g, finish_reasons=["stop"])
+        if field == "completion_ids":  # one sample too many for buffer.group_size
+            return dataclasses.replace(g, completion_ids=[*g.completion_ids, g.completion_ids[0]])
+        raise AssertionError(field)
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    "field", ["rollout_logprobs", "rewards", "advantages", "advantages inf", "finish_reasons", "completion_ids"]
+)
+async def test_a_malformed_group_is_refused_by_name_before_the_ledger(
+    transport: Transport, tmp_path: Path, field: str
+) -> None:
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        key = plan.keys[0]
+        with pytest.raises(RemoteError, match=f"ProtocolError.*{field.split()[0]}"):
+            await client.request(_bad(field)(make_group(key, 0)), Ack)
+        assert buffer.ledger.entries() == [], "the ledger recorded a refused group"
+        # The buffer keeps serving, and the same key is accepted once well formed.
+        reply = await client.request(make_group(key, 0, equal=False), Ack)
+        assert reply.info["decision"] == "accepted"

@@ -382,3 +382,144 @@ def test_overlong_penalty_hand_computed() -> None:
     close(rm.overlong_penalty(torch.tensor([40]), max_new_tokens=32, buffer=0), [0.0])
     with pytest.raises(ValueError, match="buffer <= max_new_tokens"):
         rm.overlong_penalty(torch.tensor([1]), max_new_tokens=4, buffer=8)
+
+
+# ----------------------------------------------------------------------------- issue 13 additions
+
+
+def test_k3_is_clamped_as_verl_does() -> None:
+    # x = lp - ref = -90: e^90 overflows float32; verl clamps -x to 20 and k3 to 10.
+    lp = torch.tensor([[-90.0, -0.5]], requires_grad=True)
+    ref = torch.zeros(1, 2)
+    k3 = rm.kl_penalty(lp, ref, kind="k3")
+    assert torch.isfinite(k3).all()
+    close(k3, [[10.0, math.exp(0.5) - 0.5 - 1.0]], 1e-6)
+    torch.autograd.backward(k3.sum())
+    assert lp.grad is not None and torch.isfinite(lp.grad).all()
+    # Below the value clamp, the log-ratio clamp alone: -x = 20 would give e^20 - 21 > 10.
+    close(rm.kl_penalty(t64([[-5.0]]), t64([[0.0]]), kind="k3"), [[10.0]])
+    close(rm.kl_penalty(t64([[1.0]]), t64([[0.0]]), kind="k3"), [[math.exp(-1.0)]], 1e-12)
+
+
+def test_abs_and_straight_through_estimators() -> None:
+    lp = t64([[0.5, -1.0]]).requires_grad_(True)
+    ref = t64([[0.0, 0.0]])
+    close(rm.kl_penalty(lp, ref, kind="abs"), [[0.5, 1.0]])
+    for kind, base in (("k1+", "k1"), ("k3+", "k3")):
+        value = rm.kl_penalty(lp, ref, kind=kind)  # type: ignore[arg-type]
+        close(value.detach(), rm.kl_penalty(lp.detach(), ref, kind=base))  # type: ignore[arg-type]
+        (grad,) = torch.autograd.grad(value.sum(), lp)
+        close(grad, [[0.5, -1.0]])  # k2's gradient: x
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rm.kl_penalty(lp, ref, kind="k4")  # type: ignore[arg-type]
+
+
+def test_adaptive_kl_controller_hand_computed() -> None:
+    ctl = rm.AdaptiveKLController(0.1, target=0.1, horizon=100)
+    # kl 0.2: error clip(2 - 1) = 0.2; 10 sequences: x (1 + 0.2 * 10 / 100) = 1.02
+    assert ctl.update(0.2, 10) == pytest.approx(0.102)
+    # kl 0.09: error -0.1 -> x (1 - 0.1 * 50 / 100) = 0.95
+    assert ctl.update(0.09, 50) == pytest.approx(0.102 * 0.95)
+
+
+def test_token_sum_and_dr_grpo_normaliser_hand_computed() -> None:
+    per_token = t64([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    close(rm.loss_sum(per_token, mask, mode="token_sum"), 7.0)
+    assert int(rm.loss_count(mask, mode="token_sum")) == 0  # the trainer divides by max(0, 1)
+    # Dr.GRPO: each sequence's token sum over the constant 10, averaged over 2 sequences
+    close(rm.loss_sum(per_token, mask, mode="seq_mean_token_sum_norm", norm=10.0) / 2, (3 + 4) / 10 / 2)
+    assert int(rm.loss_count(mask, mode="seq_mean_token_sum_norm")) == 2
+    with pytest.raises(ValueError, match="norm > 0"):
+        rm.loss_sum(per_token, mask, mode="seq_mean_token_sum_norm")
+
+
+def test_new_policy_losses_hand_computed() -> None:
+    l2 = math.log(2.0)
+    lp = t64([[l2, 0.0]]).requires_grad_(True)  # ratios 2 and 1 against old 0
+    old = t64([[0.0, 0.0]])
+    adv = t64([[1.0, -1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # CISPO: -sg[clip(r, 0.8, 1.28)] A logp; token 0 clipped at 1.28
+    loss, stats = rm.cispo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    close(loss.detach(), [[-1.28 * l2, 0.0]])
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    close(grad, [[-1.28, 1.0]])  # the clipped token keeps its gradient (scaled), unlike PPO
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    # SAPO at ratio 1: gate (4 / tau) sigmoid(0) = 2 / tau
+    loss, _ = rm.sapo_loss(lp, old, adv, mask, tau_pos=1.0, tau_neg=2.0)
+    gate0 = 4.0 * torch.sigmoid(torch.tensor(1.0, dtype=F64))  # tau 1, ratio 2
+    close(loss.detach(), [[-float(gate0), 1.0]])
+    # GPG / REINFORCE: -A logp
+    loss, _ = rm.reinforce_loss(lp, old, adv, mask)
+    close(loss.detach(), [[-l2, 0.0]])
+    # GMPO: x = (log 2, 0); A > 0 on both -> clip x above at 0.4; seq ratio e^(0.4 / 2); seq adv 0.5
+    loss, _ = rm.gmpo_loss(lp, old, t64([[1.0, 0.0]]), mask, clip_low=0.4, clip_high=0.4)
+    close(loss.detach(), [[-0.5 * math.exp(0.2)] * 2])
+
+
+def test_cov_losses_pick_tokens_by_covariance() -> None:
+    lp = t64([[-1.0, -2.0, -3.0, -4.0]]).requires_grad_(True)
+    old = lp.detach().clone()  # ratio 1: PPO clip leaves every token alone
+    adv = t64([[2.0, 1.0, -1.0, -2.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    # cov_t = (A - 0)(lp + 2.5): 3, 0.5, 0.5, 3
+    loss, stats = rm.kl_cov_loss(lp, old, adv, mask, ratio=0.25, coef=1.0)
+    assert stats["clip_frac"] == pytest.approx(0.25)  # one token (the first of the two 3s)
+    close(loss.detach(), -adv)  # |log-ratio| = 0 at ratio 1: the value is PPO's
+    loss, stats = rm.clip_cov_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, ratio=0.5, lb=1.0, ub=5.0)
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    assert stats["clip_frac"] == pytest.approx(0.5)  # both tokens with cov 3 in (1, 5) are cut
+    close(grad, [[0.0, -1.0, 1.0, 0.0]])
+
+
+def test_policy_loss_registry_and_a_dotted_path() -> None:
+    from yatt.config import POLICY_LOSSES
+
+    assert tuple(rm.POLICY_LOSSES) == POLICY_LOSSES
+    assert rm.get_policy_loss("tests.yatt.test_rl_math:my_loss") is my_loss
+    with pytest.raises(ValueError, match="neither a built-in loss"):
+        rm.get_policy_loss("tests.yatt.test_rl_math:nothing_here")
+
+
+def my_loss(
+    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, params: rm.LossParams
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A user's loss for the registry test."""
+    return -adv * lp * mask, {}
+
+
+def test_sequence_geometric_bounds_and_veto_weights_hand_computed() -> None:
+    old = t64([[1.0, -1.0, 0.5], [0.2, 0.2, 9.0]])
+    rollout = torch.zeros_like(old)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    # sequence: e^(1 - 1 + 0.5) and e^0.4; geometric: e^(0.5 / 3) and e^0.2
+    w = rm.importance_weights(old, rollout, mask, kind="tis", level="sequence", cap=5.0)
+    close(w, [[math.exp(0.5)] * 3, [math.exp(0.4)] * 2 + [0.0]], 1e-12)
+    w = rm.importance_weights(old, rollout, mask, kind="none", level="geometric", cap=5.0)
+    close(w, [[1.0] * 3, [1.0, 1.0, 0.0]])
+    w = rm.importance_weights(old, rollout, mask, kind="mis", level="geometric", floor=1.2, cap=5.0)
+    close(w, [[0.0] * 3, [math.exp(0.2)] * 2 + [0.0]], 1e-12)  # e^(1/6) = 1.18 < 1.2: row rejected
+    # token level, IcePop bounds [0.5, 5]: e^-1 = 0.37 is masked, the rest kept
+    w = rm.importance_weights(old, rollout, mask, kind="mis", floor=0.5, cap=5.0)
+    close(w, [[math.e, 0.0, math.exp(0.5)], [math.exp(0.2)] * 2 + [0.0]], 1e-12)
+    # veto 0.5: row 0 has a token ratio e^-1 < 0.5 and is dropped whole
+    w = rm.importance_weights(old, rollout, mask, kind="tis", veto=0.5, cap=5.0)
+    close(w, [[0.0] * 3, [math.exp(0.2)] * 2 + [0.0]], 1e-12)
+
+
+def test_token_advantages_reinforce_pp_gae_and_kl_reward_to_go() -> None:
+    field = t64([[0.0, 2.0, 2.0, 0.0], [0.0, -1.0, 0.0, 0.0]])  # rewards on completion tokens
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]], dtype=torch.bool)
+    kl = t64([[0.0, 0.5, 1.0, 0.0], [0.0, 2.0, 0.0, 0.0]])
+    # REINFORCE++, gamma 1, coef 0.1: row 0 rewards (-0.05, 2 - 0.1) -> returns (1.85, 1.9)
+    adv, ret = rm.token_advantages("reinforce_pp", field, mask, kl=kl, kl_coef=0.1)
+    close(adv, [[0.0, 1.85, 1.9, 0.0], [0.0, -1.2, 0.0, 0.0]])
+    assert ret is adv
+    # GRPO-like: the field plus the KL reward-to-go
+    adv, ret = rm.token_advantages("grpo", field, mask, kl=kl, kl_coef=0.1)
+    close(adv, [[0.0, 2.0 - 0.15, 2.0 - 0.1, 0.0], [0.0, -1.2, 0.0, 0.0]])
+    assert ret is None
+    # GAE with zero values, lam 1: the same returns as REINFORCE++
+    adv, ret = rm.token_advantages("gae", field, mask, kl=kl, kl_coef=0.1, values=torch.zeros_like(field))
+    close(adv, [[0.0, 1.85, 1.9, 0.0], [0.0, -1.2, 0.0, 0.0]])

@@ -9,7 +9,7 @@ dir as JSON and printed at start, so a later plan (run-time re-planning) can rep
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Layout = Literal["colocated", "partial", "disaggregated"]
 LAYOUTS: tuple[Layout, ...] = ("colocated", "partial", "disaggregated")
@@ -82,12 +82,11 @@ class Plan:
         return asdict(self)
 
 
-def plan_from_json(data: dict[str, object]) -> Plan:
+def plan_from_json(data: dict[str, Any]) -> Plan:
     """The plan ``Plan.to_json`` wrote (``plan.json`` in a run dir)."""
     raw = dict(data)
     assignments = tuple(
-        Assignment(**{**a, "slots": tuple(a["slots"]), "cores": tuple(a["cores"])})  # type: ignore[arg-type]
-        for a in raw.pop("assignments")  # type: ignore[attr-defined]
+        Assignment(**{**a, "slots": tuple(a["slots"]), "cores": tuple(a["cores"])}) for a in raw.pop("assignments")
     )
-    idle = {int(k): float(v) for k, v in raw.pop("idle_share", {}).items()}  # type: ignore[attr-defined]
-    return Plan(assignments=assignments, idle_share=idle, **raw)  # type: ignore[arg-type]
+    idle = {int(k): float(v) for k, v in raw.pop("idle_share", {}).items()}
+    return Plan(assignments=assignments, idle_share=idle, **raw)

@@ -37,14 +37,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from launch.config import RunConfig, load_run_config, split_items
 from launch.local import LocalLauncher, Proc, latest_checkpoint, role_counts
 from yatt.errors import ConfigError, TransportError
+from yatt.placement.plan import Assignment, Layout, Plan, Role
 
 TEMPLATES = Path(__file__).resolve().parent / "slurm"
 HEAVY = ("generator", "trainer")
 """Roles that get their own CPUs (srun --exact) and, on GPU nodes, one GPU per process."""
+LAYOUT_NAMES = ("colocated", "partial", "disaggregated")
 LIGHT = ("buffer", "reward", "controller")
 """Roles that share the first node's CPUs with everything else (srun --overlap)."""
 # Files of a previous attempt that a fresh start (no checkpoint yet) must not reuse.
@@ -66,6 +69,8 @@ class Placement:
     """Per node, its (role, index) processes."""
     gpus_per_node: int
     """GPUs of each node; 0 for CPU nodes."""
+    layout: str = "disaggregated"
+    """The placement layout (``yatt.placement``): colocated, partial or disaggregated."""
 
     def node_of(self, role: str, index: int) -> int:
         for n, procs in enumerate(self.nodes):
@@ -74,12 +79,22 @@ class Placement:
         raise KeyError(f"{role}-{index} is not in the plan")
 
     def heavy_on(self, node: int) -> int:
-        """Processes on ``node`` that get their own CPUs (and GPU)."""
-        return sum(role in HEAVY for role, _ in self.nodes[node])
+        """Processes on ``node`` that get their own CPUs (and GPU); partial: the trainer
+        ranks (the generators beside them overlap their CPUs)."""
+        own = ("trainer",) if self.layout == "partial" else HEAVY
+        return sum(role in own for role, _ in self.nodes[node])
+
+    def exclusive(self, role: str) -> bool:
+        """Whether ``role``'s steps get their own CPUs (srun --exact) rather than overlap."""
+        return role == "trainer" if self.layout == "partial" else role in HEAVY
 
     def describe(self) -> list[str]:
         """One line per node, e.g. ``node 0: buffer-0 reward-0 controller-0 controller-1 generator-0``."""
-        return [f"node {n}: " + " ".join(f"{r}-{i}" for r, i in procs) for n, procs in enumerate(self.nodes)]
+        hosted = " (+ generator engine)" if self.layout == "colocated" else ""
+        return [
+            f"node {n}: " + " ".join(f"{r}-{i}{hosted if r == 'trainer' else ''}" for r, i in procs)
+            for n, procs in enumerate(self.nodes)
+        ]
 
 
 def _chunks(items: list[tuple[str, int]], parts: int) -> list[list[tuple[str, int]]]:
@@ -93,14 +108,19 @@ def _chunks(items: list[tuple[str, int]], parts: int) -> list[list[tuple[str, in
     return out
 
 
-def plan_layout(counts: Mapping[str, int], nodes: int, gpus_per_node: int) -> Placement:
-    """Place every process of ``counts`` (role -> processes) on ``nodes`` nodes.
+def plan_layout(counts: Mapping[str, int], nodes: int, gpus_per_node: int, layout: str = "disaggregated") -> Placement:
+    """Place every process of ``counts`` (role -> processes) on ``nodes`` nodes in ``layout``.
 
-    One node: everything there (one GPU per generator and trainer rank on GPU nodes).
-    Several: node 0 holds the buffer, controllers and rewards; generators fill the first
-    nodes and trainer ranks the last ones, never sharing a node (a CPU trainer rank is
-    slowed by a generator beside it, a GPU one needs its GPU). Raises ``ConfigError``
-    with the fix when the nodes or GPUs asked for do not fit the run, or leave nodes idle.
+    disaggregated: one node holds everything (one GPU per generator and trainer rank on GPU
+    nodes). Several: node 0 holds the buffer, controllers and rewards; generators fill the
+    first nodes and trainer ranks the last ones, never sharing a node (a CPU trainer rank
+    is slowed by a generator beside it, a GPU one needs its GPU).
+    colocated: no generator processes; the trainer ranks, each hosting its engine, spread
+    over every node (one GPU each), the light roles on node 0.
+    partial: the trainer ranks spread over every node and the generators share their nodes
+    (their steps overlap the ranks' CPUs; they sleep while training runs); CPU nodes only.
+    Raises ``ConfigError`` with the fix when the nodes or GPUs asked for do not fit the
+    run, or leave nodes idle.
     """
     if nodes < 1:
         raise ConfigError(f"--nodes must be >= 1 (got {nodes})")
@@ -111,13 +131,17 @@ def plan_layout(counts: Mapping[str, int], nodes: int, gpus_per_node: int) -> Pl
     ranks = [("trainer", i) for i in range(counts["trainer"])]
     g = gpus_per_node
     fix = "or lower run.num_generators / trainer.world_size"
+    if layout in ("colocated", "partial"):
+        return _shared_layout(layout, light, [] if layout == "colocated" else gens, ranks, nodes, g)
+    if layout != "disaggregated":
+        raise ConfigError(f"placement.layout must be colocated, partial or disaggregated here (got {layout!r})")
     if nodes == 1:
         if g and len(gens) + len(ranks) > g:
             raise ConfigError(
                 f"one node with {g} GPUs cannot hold {len(gens)} generators and {len(ranks)} trainer ranks "
                 f"(one GPU each): ask for --gpus-per-node {len(gens) + len(ranks)} or --nodes 2, {fix}"
             )
-        return Placement(((*light, *gens, *ranks),), g)
+        return Placement(((*light, *gens, *ranks),), g, "disaggregated")
     trainer_nodes = math.ceil(len(ranks) / g) if g else min(len(ranks), nodes - 1)
     gen_nodes = math.ceil(len(gens) / g) if g else min(len(gens), nodes - trainer_nodes)
     used = trainer_nodes + gen_nodes
@@ -139,7 +163,88 @@ def plan_layout(counts: Mapping[str, int], nodes: int, gpus_per_node: int) -> Pl
         plan[n] += chunk
     for n, chunk in enumerate(_chunks(ranks, trainer_nodes)):
         plan[gen_nodes + n] += chunk
-    return Placement(tuple(tuple(p) for p in plan), g)
+    return Placement(tuple(tuple(p) for p in plan), g, "disaggregated")
+
+
+def _shared_layout(
+    layout: str, light: list[tuple[str, int]], gens: list[tuple[str, int]], ranks: list[tuple[str, int]],
+    nodes: int, g: int,
+) -> Placement:
+    """colocated / partial: the trainer ranks spread over every node, generators (partial)
+    beside them on the same nodes; the light roles on node 0."""
+    if layout == "partial" and g:
+        raise ConfigError(
+            "placement.layout=partial on GPU nodes under SLURM is not supported yet (the generators would "
+            "share the trainer ranks' GPUs across job steps); use placement.layout=colocated or disaggregated"
+        )
+    if g and len(ranks) > nodes * g:
+        raise ConfigError(
+            f"{len(ranks)} trainer ranks at one GPU each need {math.ceil(len(ranks) / g)} nodes of {g} GPUs: "
+            f"ask for --nodes {math.ceil(len(ranks) / g)}, or lower trainer.world_size"
+        )
+    if len(ranks) < nodes:
+        raise ConfigError(
+            f"placement.layout={layout} puts trainer ranks on every node: {len(ranks)} ranks fill only "
+            f"{len(ranks)} of the {nodes} nodes asked for; ask for --nodes {len(ranks)} or raise trainer.world_size"
+        )
+    plan: list[list[tuple[str, int]]] = [[] for _ in range(nodes)]
+    plan[0] += light
+    for n, chunk in enumerate(_chunks(gens, nodes)):
+        plan[n] += chunk
+    for n, chunk in enumerate(_chunks(ranks, nodes)):
+        plan[n] += chunk
+    return Placement(tuple(tuple(p) for p in plan), g, layout)
+
+
+def resolve_layout(cfg: RunConfig, nodes: int, cpus: Sequence[int], gpus_per_node: int) -> str:
+    """``placement.layout``, with ``auto`` decided by the planner on the allocation's slots
+    (every node's GPUs, or its CPUs): the layout it predicts fastest for this run."""
+    layout = cfg.placement.layout
+    if layout != "auto":
+        return layout
+    choices = [name for name in LAYOUT_NAMES if _fits(cfg, nodes, gpus_per_node, name)]
+    if len(choices) <= 1:  # nothing to choose (none: the disaggregated layout's error says what to ask for)
+        return choices[0] if choices else "disaggregated"
+    from launch.plan import plan_for_run
+    from yatt.placement.layouts import cpu_cluster, gpu_cluster
+
+    mem = os.environ.get("SLURM_MEM_PER_NODE")
+    node_bytes = int(mem) << 20 if mem and mem.isdigit() and int(mem) > 0 else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if gpus_per_node:
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 << 30
+        cluster = gpu_cluster([gpu_bytes] * (nodes * gpus_per_node), list(range(sum(cpus))))
+    else:
+        cluster = cpu_cluster(list(range(sum(cpus))), node_bytes * nodes)
+    picked = plan_for_run(cfg, cluster).layout
+    return picked if picked in choices else choices[0]
+
+
+def _fits(cfg: RunConfig, nodes: int, gpus_per_node: int, layout: str) -> bool:
+    try:
+        plan_layout(role_counts(cfg), nodes, gpus_per_node, layout)
+    except ConfigError:
+        return False
+    return True
+
+
+def placement_plan(placement: Placement, cpus: Sequence[int]) -> Plan:
+    """The run's ``Plan`` (plan.json) of a node placement: no cores pinned (srun binds each
+    step to its CPUs); a colocated rank hosts its generator engine; the threads of a heavy
+    process are its node's share of the CPUs."""
+    assignments = []
+    for n, procs in enumerate(placement.nodes):
+        share = max(1, cpus[n] // max(1, placement.heavy_on(n)))
+        for role, index in procs:
+            heavy = role in HEAVY
+            assignments.append(Assignment(
+                role=cast(Role, role), index=index, slots=(), cores=(), threads=share if heavy else 1,
+                shared=heavy and placement.layout in ("colocated", "partial"),
+                hosts_generator=role == "trainer" and placement.layout == "colocated",
+            ))  # fmt: skip
+    return Plan(layout=cast(Layout, placement.layout), assignments=tuple(assignments),
+                reason=f"{placement.layout} over {len(placement.nodes)} SLURM node(s)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the script
@@ -169,7 +274,11 @@ def render_script(
     python: str = sys.executable,
 ) -> str:
     """The sbatch script of one run (raises ``ConfigError`` when the layout does not fit)."""
-    placement = plan_layout(role_counts(cfg), nodes, gpus_per_node)
+    layout = cfg.placement.layout
+    shown = [layout] if layout != "auto" else [name for name in LAYOUT_NAMES if _fits(cfg, nodes, gpus_per_node, name)]
+    if not shown:  # auto, and nothing fits: the disaggregated layout's error says what to ask for
+        shown = ["disaggregated"]
+    placements = {name: plan_layout(role_counts(cfg), nodes, gpus_per_node, name) for name in shown}
     workdir = (workdir or Path.cwd()).resolve()
     run_dir = run_dir if run_dir.is_absolute() else workdir / run_dir
     options = []
@@ -185,8 +294,15 @@ def render_script(
     head += [*overrides, "--run-dir", str(run_dir), "--gpus-per-node", str(gpus_per_node)]
     template = TEMPLATES / ("one_node.sbatch.tmpl" if nodes == 1 else "nodes.sbatch.tmpl")
     gpu_note = " (1 GPU each: generators, trainer ranks)" if gpus_per_node else " (CPU only)"
-    plan = [f"#   {line}" for line in placement.describe()]
-    plan[0] += "   <- head, registry, torch.distributed store"
+    plan = []
+    if layout == "auto":
+        plan.append("#   placement.layout=auto: the head picks the layout the planner predicts fastest on the")
+        plan.append("#   allocation's CPUs/GPUs when the job starts (`python -m launch plan` shows why), one of:")
+    for name, placement in placements.items():
+        plan.append(f"#   {name}:")
+        lines = [f"#     {line}" for line in placement.describe()]
+        lines[0] += "   <- head, registry, torch.distributed store"
+        plan += lines
     plan.append(f"#   {gpus_per_node or 'no'} GPUs per node{gpu_note}")
     return _Template(template.read_text()).substitute(
         nodes=nodes,
@@ -338,14 +454,15 @@ class SlurmLauncher(LocalLauncher):
         with (self.run_dir / "slurm.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def make_plan(self) -> None:
-        """Roles are placed by node (``plan_layout``), each its own process, as disaggregated."""
-        return None
+    def make_plan(self) -> Plan:
+        """The node placement as the run's plan (plan.json): which roles take turns, which
+        trainer ranks host a generator engine, the threads of each."""
+        return placement_plan(self.placement, self.cpus)
 
     def role_command(self, role: str, index: int) -> list[str]:
         node = self.placement.node_of(role, index)
         step = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[node]}", f"--job-name={role}-{index}"]
-        if role in HEAVY:
+        if self.placement.exclusive(role):
             share = max(1, self.cpus[node] // self.placement.heavy_on(node))
             step += ["--exact", f"--cpus-per-task={share}"]
             if self.placement.gpus_per_node:
@@ -353,7 +470,8 @@ class SlurmLauncher(LocalLauncher):
             if self.mem_mb:  # memory is scheduled: a step would otherwise claim all of it
                 step.append(f"--mem={self.mem_mb // (self.placement.heavy_on(node) + 1)}M")
         else:
-            step += ["--overlap", "--cpus-per-task=1"]
+            cpus = self.cpus[node] if role in HEAVY else 1  # partial: a generator overlaps its node's ranks
+            step += ["--overlap", f"--cpus-per-task={cpus}"]
             if self.placement.gpus_per_node:
                 step.append("--gres=none")
         cmd = super().role_command(role, index) + ["--host", self.addresses[node]]
@@ -417,12 +535,13 @@ def head_main(args: argparse.Namespace) -> int:
         set_aside_attempt(run_dir, f"job{job_id}-{int(time.time())}")
     cfg = load_run_config(config_path, overrides)
     nodes = allocation_nodes(nodelist)
-    placement = plan_layout(role_counts(cfg), len(nodes), args.gpus_per_node)
+    cpus = cpus_per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE", f"1(x{len(nodes)})"), len(nodes))
+    layout = resolve_layout(cfg, len(nodes), cpus, args.gpus_per_node)
+    placement = plan_layout(role_counts(cfg), len(nodes), args.gpus_per_node, layout)
     addresses = [node_address(n) for n in nodes]
     if cfg.slurm.head_port:
         check_head_ports(nodes[0], addresses[0], cfg.slurm.head_port)
-    cpus = cpus_per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE", f"1(x{len(nodes)})"), len(nodes))
-    print(f"yatt: job {job_id}; run dir {run_dir}", flush=True)
+    print(f"yatt: job {job_id}; run dir {run_dir}; placement.layout={cfg.placement.layout} -> {layout}", flush=True)
     for n, line in enumerate(placement.describe()):
         print(f"yatt:   {line}   [{nodes[n]} {addresses[n]}, {cpus[n]} CPUs]", flush=True)
     launcher = SlurmLauncher(

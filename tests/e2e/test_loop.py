@@ -75,34 +75,46 @@ def role_pid(run_dir: Path, role: str, index: int, launcher: subprocess.Popen[by
     raise AssertionError(f"no {role}-{index} process of {run_dir}")
 
 
-def test_default_job_learns(tmp_path: Path) -> None:
+LAYOUTS = ["auto", "colocated", "partial", "disaggregated"]
+
+
+def layout_args(layout: str) -> tuple[str, ...]:
+    return () if layout == "auto" else (f"placement.layout={layout}",)
+
+
+def planned_layout(run_dir: Path) -> str:
+    return str(json.loads((run_dir / "plan.json").read_text())["layout"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "default"
-    finish(launch(run_dir), run_dir)
+    finish(launch(run_dir, *layout_args(layout)), run_dir)
     rows = metrics(run_dir)
     assert_default_job_learned(rows, run_dir)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
+    if layout == "auto":
+        assert planned_layout(run_dir) in LAYOUTS[1:]
+        assert "placement: " in (run_dir.parent / "default.launcher.log").read_text()
+    else:
+        assert planned_layout(run_dir) == layout
+    if planned_layout(run_dir) == "colocated":  # each rank's engine and training took turns
+        assert all(r["time/switch_s"] > 0 for r in rows)
 
 
-def test_killed_controller_and_generator_lose_nothing(tmp_path: Path) -> None:
-    run_dir = tmp_path / "kills"
-    proc = launch(run_dir, "run.steps=20")
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
-    os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)
-    wait_for(lambda: len(metrics(run_dir)) >= 8, 600)
-    os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
-    finish(proc, run_dir)
-    assert len(metrics(run_dir)) == 20
+def assert_exactly_once(run_dir: Path, steps: int) -> None:
+    """No group was committed or trained twice, every step trained, and no prompt of the
+    epoch's order before the last trained one is missing."""
     ledger = Ledger(run_dir / "ledger.db")
     try:
         accepted = Counter(e.key for e in ledger.entries("accepted"))
         assert accepted and max(accepted.values()) == 1, "a group was committed twice"
         trained = Counter(e.key for e in ledger.entries("trained"))
         assert max(trained.values()) == 1, "a group was trained twice"
-        assert max(e.step or 0 for e in ledger.entries("trained")) == 19
-        # No prompt is missing: every position of the epoch's order before the last trained
-        # one ended trained or filtered. The final word on a prompt is the last entry of its
-        # newest attempt, duplicates (a restarted controller re-delivering) aside.
+        assert max(e.step or 0 for e in ledger.entries("trained")) == steps - 1
+        # The final word on a prompt is the last entry of its newest attempt, duplicates
+        # (a restarted controller re-delivering) aside.
         final: dict[int, tuple[int, str]] = {}
         for e in ledger.entries():
             assert e.key.epoch == 0
@@ -114,12 +126,45 @@ def test_killed_controller_and_generator_lose_nothing(tmp_path: Path) -> None:
         assert all(final.get(order[p], (0, "missing"))[1] in ("trained", "filtered") for p in range(last + 1))
     finally:
         ledger.close()
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "partial"])
+def test_killed_controller_and_generator_lose_nothing(tmp_path: Path, layout: str) -> None:
+    run_dir = tmp_path / "kills"
+    proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
+    os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)
+    wait_for(lambda: len(metrics(run_dir)) >= 8, 600)
+    os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
+    finish(proc, run_dir)
+    assert len(metrics(run_dir)) == 20
+    assert_exactly_once(run_dir, 20)
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
     assert "controller-0 exited" in log and "generator-0 exited" in log
 
 
-def test_resume_gives_the_same_steps(tmp_path: Path) -> None:
-    overrides = ("run.steps=8", "trainer.checkpoint_every=4")
+def test_killed_colocated_rank_stops_the_run_and_resumes_losing_nothing(tmp_path: Path) -> None:
+    """A colocated trainer rank takes its engine with it: like any trainer rank's death the
+    run stops with the resume command, and resuming loses and repeats nothing."""
+    run_dir = tmp_path / "colocated"
+    proc = launch(run_dir, "run.steps=30", "trainer.checkpoint_every=4", "placement.layout=colocated")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
+    os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)  # restarted, as in every layout
+    wait_for(lambda: (run_dir / "checkpoints" / "step_4" / "done").exists(), 600)
+    wait_for(lambda: len(metrics(run_dir)) >= 5, 600)
+    os.kill(role_pid(run_dir, "trainer", 1, proc), signal.SIGKILL)  # the rank serving generator-colocated-1
+    assert proc.wait(timeout=300) != 0
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    assert "controller-0 exited" in log and "trainer-1 exited" in log and "--resume" in log
+    assert len(metrics(run_dir)) < 30, "the kill came after the run was done"
+    finish(launch(run_dir, resume=run_dir), run_dir)
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(30))
+    assert_exactly_once(run_dir, 30)
+
+
+@pytest.mark.parametrize("layout", ["colocated", "partial", "disaggregated"])
+def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
+    overrides = ("run.steps=8", "trainer.checkpoint_every=4", f"placement.layout={layout}")
     reference = tmp_path / "reference"
     finish(launch(reference, *overrides), reference)
     run_dir = tmp_path / "resumed"
@@ -139,7 +184,7 @@ def test_resume_gives_the_same_steps(tmp_path: Path) -> None:
 
 def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
     run_dir = tmp_path / "async"
-    finish(launch(run_dir, "run.steps=8", "buffer.max_staleness=2"), run_dir)
+    finish(launch(run_dir, "run.steps=8", "buffer.max_staleness=2", "placement.layout=disaggregated"), run_dir)
     ledger = Ledger(run_dir / "ledger.db")
     try:
         trained = ledger.entries("trained")

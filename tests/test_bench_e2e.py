@@ -1,6 +1,7 @@
-"""The job-level benchmarks: benchmarks/jobs.py's measuring and metrics arithmetic on
-hand-computed cases, and the quick forms of ``e2e`` (yatt vs TRL) and ``staleness`` end to
-end, with bad ``--set`` options refused by field name."""
+"""The job-level benchmarks: benchmarks/jobs.py's measuring and metrics arithmetic and
+e2e's training FLOPs on hand-computed cases, the TRL job derived from a yatt config (its
+dtype), and the quick forms of ``e2e`` (yatt vs TRL) and ``staleness`` end to end, with
+bad ``--set`` options refused by field name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from typing import Any
 
 import pytest
 
+from benchmarks.__main__ import main
+from benchmarks.e2e import JOBS, _trl_spec, _unmatchable, training_flops
 from benchmarks.jobs import moving_average, reward_at, run_monitored, time_to_reward, training
+from launch.config import load_run_config
+from launch.plan import compute_dtype
 from tests.test_benchmarks import run_quick
 
 # ---------------------------------------------------------------- pure functions
@@ -63,6 +68,50 @@ def test_training_window_runs_from_the_first_step_start_to_the_last_step_end() -
         training([])
 
 
+def test_training_flops_count_prompt_and_completion_tokens_of_every_sample() -> None:
+    yatt_line = {"samples_per_s": 32.0, "time/step_s": 2.0, "tokens_per_s": 100.0, "time/train_s": 1.0}
+    trl_line = {**yatt_line, "train/prompt_tokens": 500.0}
+    # yatt: 64 samples x 10 prompt tokens (the mean) + 200 completion tokens; 6 x 1000 params each.
+    assert training_flops([yatt_line], params=1000, prompt_tokens=10.0) == pytest.approx(6 * 1000 * (640 + 200))
+    # TRL counts its prompt tokens: the mean is not used.
+    assert training_flops([trl_line], params=1000, prompt_tokens=10.0) == pytest.approx(6 * 1000 * (500 + 200))
+    assert training_flops([yatt_line, trl_line], params=1, prompt_tokens=0.0) == pytest.approx(6 * (200 + 700))
+    assert training_flops([], params=1000, prompt_tokens=10.0) == 0
+
+
+def test_the_trl_job_computes_in_yatt_s_dtype(tiny_model_dir: Path) -> None:
+    items = [f"model.path={tiny_model_dir}", "run.steps=3", *JOBS["tiny"]]
+    cfg = load_run_config(None, items)
+    assert _unmatchable(cfg) == []
+    spec, prompt_tokens = _trl_spec(cfg, tiny_model_dir, threads=1)
+    assert spec.bf16 == (compute_dtype("auto", "cpu") == "bfloat16")
+    assert spec.steps == 3 and spec.group_size == 8 and spec.prompts_per_step == 8
+    assert 5 < prompt_tokens < 100
+    assert not _trl_spec(load_run_config(None, [*items, "model.dtype=float32"]), tiny_model_dir, threads=1)[0].bf16
+    problems = _unmatchable(load_run_config(None, [*items, "model.dtype=float16", "buffer.filter=all_equal"]))
+    assert len(problems) == 2
+    assert any("model.dtype = 'float16' computes in float16" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("layouts=[auto,mixed]", "layouts[1] must be one of 'auto', 'colocated', 'partial', 'disaggregated'"),
+        ("layouts=[auto,auto]", "layouts must not repeat a layout"),
+        ("layouts=[]", "layouts must name at least one layout"),
+        ("repeats=0", "repeats must be >= 1 (got 0)"),
+    ],
+)
+def test_bad_e2e_options_are_refused_with_the_field_named(
+    option: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["e2e", "--set", option, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "a refused run must write nothing"
+
+
 # ---------------------------------------------------------------- measuring a process tree
 
 
@@ -94,14 +143,17 @@ def _finite(data: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_e2e_quick_measures_both_frameworks(tmp_path: Path) -> None:
-    data = run_quick("e2e", tmp_path)
+    data = run_quick("e2e", tmp_path)  # tiny, 6 steps, placement auto, 1 repeat
     figures, ratios = data["figures"], data["ratios"]
     names = ["samples_per_s", "tokens_per_s", "step_s_median", "training_s", "startup_s", "wall_s", "peak_memory_mb"]
+    names += ["train_s_median", "train_gflops_per_s", "mfu"]
     rewards = ["reward_first3", "reward_last3"]
-    assert set(figures) == {f"tiny_{side}_{n}" for side in ("yatt", "trl") for n in names + rewards}
-    assert set(ratios) == {"tiny_samples_per_s_vs_trl", "tiny_time_to_reward_vs_trl"}
+    sides = ("yatt_auto", "trl")
+    assert set(figures) == {"bf16_peak_gflops"} | {f"tiny_{side}_{n}" for side in sides for n in names + rewards}
+    assert set(ratios) == {f"tiny_auto_{r}_vs_trl" for r in ("samples_per_s", "time_to_reward", "memory")}
     _finite(data)
-    for side in ("yatt", "trl"):
+    assert figures["bf16_peak_gflops"] > 0
+    for side in sides:
         for n in names:
             assert figures[f"tiny_{side}_{n}"] > 0, f"tiny_{side}_{n}"
         # Training is inside the job: startup + training < the whole job.
@@ -111,14 +163,21 @@ def test_e2e_quick_measures_both_frameworks(tmp_path: Path) -> None:
         tokens = figures[f"tiny_{side}_tokens_per_s"] * figures[f"tiny_{side}_training_s"]
         assert samples == pytest.approx(6 * 64)
         assert 6 * 64 <= tokens <= 6 * 64 * 8 + 1e-6
-    assert ratios["tiny_samples_per_s_vs_trl"] == pytest.approx(
-        figures["tiny_yatt_samples_per_s"] / figures["tiny_trl_samples_per_s"]
-    )
-    if ratios["tiny_time_to_reward_vs_trl"] == 0:
+        assert figures[f"tiny_{side}_mfu"] == pytest.approx(
+            figures[f"tiny_{side}_train_gflops_per_s"] / figures["bf16_peak_gflops"]
+        )
+        assert figures[f"tiny_{side}_mfu"] < 1
+    # One repeat: each ratio is the ratio of the two runs' figures.
+    for ratio, figure in (("samples_per_s", "samples_per_s"), ("memory", "peak_memory_mb")):
+        assert ratios[f"tiny_auto_{ratio}_vs_trl"] == pytest.approx(
+            figures[f"tiny_yatt_auto_{figure}"] / figures[f"tiny_trl_{figure}"]
+        )
+    if ratios["tiny_auto_time_to_reward_vs_trl"] == 0:
         assert any("never reached" in note for note in data["notes"])
+    assert any(note.startswith("tiny: placement auto picked ") for note in data["notes"])
     plot = data["plots"]["tiny_reward"]
     assert (tmp_path / plot["png"]).stat().st_size > 0
-    assert [s["label"] for s in plot["series"]] == ["yatt", "TRL"]
+    assert [s["label"] for s in plot["series"]] == ["yatt auto", "TRL"]
     assert all(len(s["x"]) == len(s["y"]) == 6 for s in plot["series"])
 
 

@@ -54,6 +54,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from yatt import trace
 from yatt.config import RewardConfig, ScorerConfig
 from yatt.errors import ActorFailed, Closed, ConfigError
 
@@ -365,8 +366,9 @@ class ScorerPool:
             async with self._restart:  # wait out a restart in progress
                 generation, executor = self._generation, self._executor
             try:
-                future = asyncio.wrap_future(executor.submit(rule, sample))
-                done, _ = await asyncio.wait({future}, timeout=timeout_s)
+                with trace.span("pool_round_trip"):  # the sample pickled out, scored, the score back
+                    future = asyncio.wrap_future(executor.submit(rule, sample))
+                    done, _ = await asyncio.wait({future}, timeout=timeout_s)
                 if not done:
                     future.cancel()
                     await self._replace(generation, killed=True)

@@ -94,6 +94,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (  # private, torch pinned: traced (run.trace)
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import (
@@ -211,6 +215,9 @@ class Trainer:
                 # ranks would divide them by the world size on top. Plain SUM works on gloo.
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
+                if trace.enabled():  # run.trace: FSDP2's own collectives become spans too
+                    m.set_custom_all_gather(_TracedAllGather())
+                    m.set_custom_reduce_scatter(_TracedReduceScatter())
         nn.Module.train(module, False)  # eval mode for good: no dropout, as in inference
         module.requires_grad_(trainable)
         return module
@@ -366,7 +373,8 @@ class Trainer:
         moments = torch.zeros(3, dtype=torch.float64, device=self.device)
         for b in batches:
             moments += torch.stack(rl_math.masked_moments(b.advantages, b.mask))
-        dist.all_reduce(moments)
+        with trace.span("all_reduce"):
+            dist.all_reduce(moments)
         total, total_sq, count = moments.unbind()
         for b in batches:
             b.advantages = rl_math.masked_whiten(b.advantages, b.mask, moments=(total, total_sq, count))
@@ -476,7 +484,8 @@ class Trainer:
         verdict = torch.tensor(
             [mb.count, -mb.count, int(bool(problem))], dtype=torch.int64, device=self.device
         )
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        with trace.span("all_reduce"):
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
         high, low, rejected = int(verdict[0]), -int(verdict[1]), int(verdict[2])
         if problem or rejected:
             raise ProtocolError(
@@ -505,7 +514,8 @@ class Trainer:
         if self._reduced is not None:
             return self._reduced
         totals = torch.stack([self._sums[k] for k in _SUMS])  # [len(_SUMS)] float64
-        dist.all_reduce(totals)
+        with trace.span("all_reduce"):
+            dist.all_reduce(totals)
         reduced = dict(zip(_SUMS, totals.tolist(), strict=True))
         divisor = max(reduced["count"], 1.0)  # all-padding step or token_sum: no division
         for module, _, _ in self._trained.values():
@@ -820,12 +830,32 @@ def _step(module: nn.Module, optimizer: torch.optim.Optimizer, *, clip: float) -
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+        with trace.span("all_reduce"):  # the shards' partial norms summed over the ranks
+            norm = norm.full_tensor()
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(module.parameters(), clip, norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+class _TracedAllGather(DefaultAllGather):
+    """FSDP2's parameter all-gather, traced as an ``all_gather`` span: framework time in the
+    stages benchmark although it runs inside forward_backward (on GPU the span only covers
+    the launch on FSDP's stream)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
+        with trace.span("all_gather"):
+            return super().__call__(*args, **kwargs)
+
+
+class _TracedReduceScatter(DefaultReduceScatter):
+    """FSDP2's gradient reduce-scatter in the backward, traced as a ``reduce_scatter`` span
+    (blocking on CPU; on GPU the span only covers the launch)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work:
+        with trace.span("reduce_scatter"):
+            return super().__call__(*args, **kwargs)
 
 
 _WRAPPED = "_checkpoint_wrapped_module."

@@ -18,8 +18,11 @@ the engine) and ``weight_load``; reward ``score`` (inside the scorers); buffer `
 (a decision) and ``ledger_commit`` (one fsync for the decisions of one turn); trainer
 ranks ``wait_for_buffer``, ``forward_backward``, ``optimizer`` (gradient reduction,
 clip, step), ``weight_gather``, ``weight_push`` (rank 0: buckets to every generator,
-then the new version to the buffer), ``checkpoint`` and ``step`` (one trainer step, end
-to end).
+then the new version to the buffer), ``checkpoint``, ``step`` (one trainer step, end
+to end), ``wake`` / ``sleep`` (the colocated rank's engine given the weights / put
+away), and the collectives nested in the compute spans: ``all_reduce``, ``all_gather``
+and ``reduce_scatter`` (FSDP2's, traced through its custom-collective hooks); the reward
+scorers' ``pool_round_trip`` (a sample to the process pool and its score back).
 """
 
 from __future__ import annotations

@@ -111,14 +111,18 @@ async def _reward(cfg: RunConfig, args: argparse.Namespace, transport: Transport
 
 
 async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
-    from workers.trainer_rank import TrainerRank
+    from workers.trainer_rank import RankConfig, TrainerRank
 
     plan = read_plan(args.run_dir)
     mine = assignment_for(plan, "trainer", args.index)
     async with Directory(transport, args.registry, name=f"trainer-{args.index}") as directory:
         rank = await asyncio.to_thread(
             TrainerRank.create,
-            cfg,
+            RankConfig(
+                model=cfg.model, trainer=cfg.trainer, algorithm=cfg.algorithm, generator=cfg.generator,
+                transport=cfg.transport, steps=cfg.run.steps, micro_batches_per_step=cfg.buffer.micro_batches_per_step,
+                temperature=cfg.controller.temperature, ready_timeout_s=cfg.run.ready_timeout_s,
+            ),
             run_dir=args.run_dir,
             model_path=args.model_path,
             resume=args.resume,

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import zmq
 
+from protocols.errors import ProtocolError
 from protocols.messages import MESSAGE_TYPES, Message
-from yatt.errors import ProtocolError
 
 Frame = bytes | memoryview | zmq.Frame
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from protocols.messages import SamplingParams
 from workers.engines import PromptRequest, make_engine
-from workers.scorers import Outcome, ScoreInput
+from workers.score_types import Outcome, ScoreInput
 from yatt.config import GeneratorConfig, ScorerConfig
 from yatt.errors import ConfigError
 

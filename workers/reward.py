@@ -17,7 +17,8 @@ import torch
 from transformers import AutoTokenizer
 
 from protocols.messages import Message, Metrics, Query, ScoreRequest, Scores
-from workers.scorers import RewardMix, ScoreInput
+from workers.score_types import ScoreInput
+from workers.scorers import RewardMix
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import RewardConfig

@@ -52,8 +52,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from workers.score_types import Outcome, ScoreInput, ScoreResult
 from yatt import trace
 from yatt.config import RewardConfig, ScorerConfig
 from yatt.errors import ActorFailed, Closed, ConfigError
@@ -63,39 +64,6 @@ if TYPE_CHECKING:
 
 _STARTUP_TIMEOUT_S = 300.0
 """How long a fresh pool may take to start its processes and import the rules' modules."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreInput:
-    """One sample to score, as text."""
-
-    prompt: str
-    """The decoded prompt."""
-    completion: str
-    """The decoded completion."""
-    metadata: dict[str, str]
-    """The prompt's metadata, e.g. {"answer": "42"}; reasoning_gym: {"task": ..., "entry": json}."""
-    finish_reason: str
-    """"stop" or "length"."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreResult:
-    """The mix's verdict on one sample."""
-
-    reward: float
-    """The weighted sum of the components."""
-    components: dict[str, float]
-    """Scorer name -> raw score before weighting; 0.0 where it failed (a judge: failed verdicts count 0)."""
-    failure: str
-    """"" if every scorer succeeded, else "name: reason" per failed scorer, joined by "; "."""
-
-
-class Outcome(NamedTuple):
-    """One scorer's result for one sample: the score (0.0 if it failed) and why it failed, or ""."""
-
-    score: float
-    failure: str = ""
 
 
 # ---------------------------------------------------------------- rules (run in the pool)

@@ -39,6 +39,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,14 +62,34 @@ from workers.generator import Generator
 from workers.trainer import Trainer
 from yatt import trace
 from yatt.actor import Actor, Client, handles
+from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
 from yatt.registry import Directory
-from yatt.transport import Transport
+from yatt.transport import Transport, TransportConfig
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from launch.config import RunConfig
+
+@dataclass(frozen=True, kw_only=True)
+class RankConfig:
+    """What a trainer rank needs of a run's config. The launcher builds it from its own
+    config (``launch.role``), so the rank runs the same under any launcher."""
+
+    model: ModelConfig
+    trainer: TrainerConfig
+    algorithm: AlgorithmConfig
+    generator: GeneratorConfig
+    """The engine a colocated rank hosts."""
+    transport: TransportConfig
+    steps: int
+    """Optimizer steps of the run (``run.steps``)."""
+    micro_batches_per_step: int
+    """Micro-batches each rank trains per step (``buffer.micro_batches_per_step``)."""
+    temperature: float
+    """The rollouts' sampling temperature (``controller.temperature``): log-probs are taken at it."""
+    ready_timeout_s: float
+    """How long to wait for the buffer to register (``run.ready_timeout_s``)."""
 
 
 class TrainerActor(Actor):
@@ -91,7 +112,7 @@ class TrainerRank:
     """The loop of one rank; build it with ``create`` (it initialises torch.distributed)."""
 
     def __init__(
-        self, cfg: RunConfig, trainer: Trainer, *, run_dir: Path, layout: str = "disaggregated",
+        self, cfg: RankConfig, trainer: Trainer, *, run_dir: Path, layout: str = "disaggregated",
         engine: Engine | None = None,
     ) -> None:
         self.cfg = cfg
@@ -110,7 +131,7 @@ class TrainerRank:
 
     @classmethod
     def create(
-        cls, cfg: RunConfig, *, run_dir: Path, model_path: Path, resume: Path | None,
+        cls, cfg: RankConfig, *, run_dir: Path, model_path: Path, resume: Path | None,
         layout: str = "disaggregated", hosts_generator: bool = False,
     ) -> TrainerRank:
         """Join the process group (env:// from the launcher) and build the trainer (and, when
@@ -123,8 +144,8 @@ class TrainerRank:
             cfg.trainer,
             cfg.algorithm,
             model_path=str(model_path),
-            run_steps=cfg.run.steps,
-            temperature=cfg.controller.temperature,
+            run_steps=cfg.steps,
+            temperature=cfg.temperature,
         )
         if resume is not None:
             trainer.load_checkpoint(resume / "trainer")
@@ -181,7 +202,7 @@ class TrainerRank:
 
     async def run(self, directory: Directory, stop: asyncio.Event) -> None:
         """Train to ``run.steps``, then export the final model; returns when done."""
-        await directory.wait_until(lambda d: bool(d.members("buffer")), timeout=self.cfg.run.ready_timeout_s)
+        await directory.wait_until(lambda d: bool(d.members("buffer")), timeout=self.cfg.ready_timeout_s)
         buffer = directory.client(directory.members("buffer")[0].actor_id)
         watcher = None
         external = self.layout != "colocated"  # generator processes that need weight pushes
@@ -197,7 +218,7 @@ class TrainerRank:
             if self.trainer.step > 0 and external:
                 await asyncio.to_thread(self._gather, self.trainer.step)
         try:
-            while self.trainer.step < self.cfg.run.steps and not stop.is_set():
+            while self.trainer.step < self.cfg.steps and not stop.is_set():
                 await self._step(buffer, directory)
             if not stop.is_set():
                 await asyncio.to_thread(self.trainer.export_hf, self.run_dir / "final")
@@ -221,7 +242,7 @@ class TrainerRank:
         loop = asyncio.get_running_loop()
         wait = [0.0]
         staleness = torch.zeros(3, dtype=torch.float64)  # [sum of staleness, samples, tokens]
-        count = self.cfg.buffer.micro_batches_per_step
+        count = self.cfg.micro_batches_per_step
         turns = self.layout in ("colocated", "partial")  # engines and training share slots
 
         async def fetch_one(index: int) -> MicroBatch:
@@ -257,7 +278,7 @@ class TrainerRank:
         sync_start = time.perf_counter()
         version = self.trainer.step
         pushed = False
-        synced = version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.run.steps
+        synced = version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.steps
         if self.layout != "colocated" and synced:
             with trace.span("weight_gather"):
                 buckets = await asyncio.to_thread(self._gather, version)
@@ -270,12 +291,12 @@ class TrainerRank:
         sync_s = time.perf_counter() - sync_start
         ckpt_start = time.perf_counter()
         every = self.cfg.trainer.checkpoint_every
-        if (every and version % every == 0) or version == self.cfg.run.steps:
+        if (every and version % every == 0) or version == self.cfg.steps:
             with trace.span("checkpoint"):
                 await self._checkpoint(buffer, version)
         ckpt_s = time.perf_counter() - ckpt_start
         wake_start = time.perf_counter()
-        if self.layout == "colocated" and version < self.cfg.run.steps:
+        if self.layout == "colocated" and version < self.cfg.steps:
             await self._resume_generation(buffer, version)
         elif self.layout == "partial" and not pushed and self.rank == 0:
             await self._wake_generators(directory)

@@ -14,21 +14,25 @@ can handle and nothing else::
     └── Closed             an operation on a closed actor, stream or queue
 
 User mistakes raise with the fix in the message; ``assert`` is for internal invariants only.
+``YattError`` and ``ProtocolError`` are defined in ``protocols.errors`` (the codec raises
+them) and re-exported here.
 """
 
 from __future__ import annotations
 
+from protocols.errors import (  # the bottom layer's, so the codec needs nothing above it
+    ProtocolError,
+    YattError,
+)
 
-class YattError(Exception):
-    """Base of every error yatt raises on purpose."""
+__all__ = [
+    "ActorFailed", "Closed", "ConfigError", "PeerLost", "ProtocolError", "RemoteError", "RequestTimeout",
+    "TransportError", "YattError",
+]  # fmt: skip
 
 
 class ConfigError(YattError):
     """A config key or value is wrong. The message names the dotted field and the fix."""
-
-
-class ProtocolError(YattError):
-    """A message could not be decoded or did not match its schema. Names the field."""
 
 
 class TransportError(YattError):

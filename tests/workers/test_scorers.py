@@ -28,6 +28,7 @@ from transformers import (
 
 from workers.model_scorers import Judge, parse_verdict
 from workers.models import build_tiny_model, build_tokenizer
+from workers.score_types import ScoreInput
 from workers.scorers import (
     Custom,
     ExactMatch,
@@ -35,7 +36,6 @@ from workers.scorers import (
     MathVerify,
     ReasoningGym,
     RewardMix,
-    ScoreInput,
     final_answer,
 )
 from yatt.config import RewardConfig, ScorerConfig

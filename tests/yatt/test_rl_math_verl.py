@@ -1,10 +1,12 @@
 """yatt.rl_math against verl's ``core_algos`` on random float64 inputs (agreement <= 1e-6).
 
-verl is not a dependency: ``verl.trainer.ppo.core_algos`` (verl 0.9) imports ray,
-omegaconf, tensordict, codetiming and orjson through ``verl/__init__``, and ray alone is
-larger than the rest of the test environment. Install them to run this file::
+verl is a test-only reference, installed by ``make`` (so CI runs this file):
+``verl.trainer.ppo.core_algos`` (verl 0.9) imports ray, omegaconf, tensordict, codetiming
+and orjson through ``verl/__init__`` (the ``verl-check`` extra), and verl itself goes in
+with ``--no-deps`` because its declared pins (transformers < 5.11) would replace this
+environment's. By hand::
 
-    pip install --no-deps verl==0.9.1 && pip install ray omegaconf tensordict codetiming orjson
+    pip install -e '.[verl-check]' && pip install --no-deps verl==0.9.1
 
 Without them every test here is skipped, with the import error as the reason.
 """

@@ -153,10 +153,20 @@ class LocalLauncher:
         self.host = cfg.run.host
         """The address of the registry and of the torch.distributed rendezvous."""
         self.plan: Plan | None = None
+        self.gpu_slots = False  # the plan's slots are GPUs
 
     def make_plan(self) -> Plan | None:
         """Where each role runs on this machine (written to the run dir; roles read it back)."""
-        return make_plan(self.cfg, this_machine(peak_flops=0.0))  # the planner measures the peak when it needs it
+        cluster = this_machine(peak_flops=0.0)  # the planner measures the peak when it needs it
+        self.gpu_slots = cluster.slots[0].kind == "gpu"
+        return make_plan(self.cfg, cluster)
+
+    def _gpus_of(self, role: str, index: int) -> list[int]:
+        """The GPUs of a role process's slots (on a GPU machine; none for a light role)."""
+        if self.plan is None or not self.gpu_slots:
+            return []
+        mine = [a for a in self.plan.assignments if a.role == role and a.index == index]
+        return list(mine[0].slots) if mine else []
 
     def processes(self) -> dict[str, int]:
         """Processes to start per role, in start order."""
@@ -235,6 +245,8 @@ class LocalLauncher:
         ]  # fmt: skip
         if self.resume is not None and role in ("buffer", "trainer"):
             cmd += ["--resume", str(self.resume)]
+        if role == "generator" and self._gpus_of(role, index):
+            cmd += ["--device", "cuda"]  # its slots' GPUs, the only ones it sees
         return cmd
 
     def role_env(self, role: str, index: int) -> dict[str, str]:
@@ -250,6 +262,13 @@ class LocalLauncher:
                 WORLD_SIZE=str(self.cfg.trainer.world_size),
                 LOCAL_RANK=str(index),
             )
+        gpus = self._gpus_of(role, index)
+        if gpus:  # each process sees only its slots' GPUs (a trainer rank: its one GPU, as cuda:0)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            if role == "trainer":
+                env["LOCAL_RANK"] = "0"
+        elif self.gpu_slots and role not in ("generator", "trainer"):
+            env["CUDA_VISIBLE_DEVICES"] = ""  # light roles stay off the GPUs
         return env
 
     def ask_to_stop(self, procs: list[Proc]) -> None:

@@ -1,12 +1,15 @@
-"""The local launcher's placement of CPU threads: computing roles share the cores, the
-rest get one thread; an explicit setting wins."""
+"""The local launcher's placement: CPU threads (computing roles share the cores, the rest
+get one thread; an explicit setting wins) and, on a GPU machine, each process's GPUs."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from launch.config import load_run_config
-from launch.local import role_threads
+from launch.local import LocalLauncher, role_threads
+from launch.placement import make_plan
+from yatt.placement.layouts import cpu_cluster, gpu_cluster
 
 
 def test_threads_share_the_cores_between_computing_roles() -> None:
@@ -24,3 +27,35 @@ def test_explicit_threads_win() -> None:
     cfg = load_run_config(None, ["generator.threads=3", "trainer.threads=5"])
     assert role_threads(cfg, "generator") == 3
     assert role_threads(cfg, "trainer") == 5
+
+
+def gpu_launcher(layout: str, *overrides: str) -> LocalLauncher:
+    """A launcher holding the plan it would make on a 4-GPU machine (no GPU needed)."""
+    cfg = load_run_config(None, [f"placement.layout={layout}", *overrides])
+    launcher = LocalLauncher(cfg, Path("/runs/x"))
+    cluster = gpu_cluster([80 << 30] * 4, list(range(16)), peak_flops=1e15)
+    launcher.plan, launcher.gpu_slots = make_plan(cfg, cluster), True
+    launcher.registry_endpoint = "tcp://127.0.0.1:5000"
+    return launcher
+
+
+def test_every_layout_uses_the_gpus() -> None:
+    disaggregated = gpu_launcher("disaggregated")  # generator on GPU 0, the ranks on 1 and 2
+    assert disaggregated.role_command("generator", 0)[-2:] == ["--device", "cuda"]
+    assert disaggregated.role_env("generator", 0)["CUDA_VISIBLE_DEVICES"] == "0"
+    env = disaggregated.role_env("trainer", 1)
+    assert (env["CUDA_VISIBLE_DEVICES"], env["LOCAL_RANK"], env["RANK"]) == ("2", "0", "1")
+    assert disaggregated.role_env("buffer", 0)["CUDA_VISIBLE_DEVICES"] == ""
+    colocated = gpu_launcher("colocated", "trainer.world_size=4")
+    assert [colocated.role_env("trainer", i)["CUDA_VISIBLE_DEVICES"] for i in range(4)] == ["0", "1", "2", "3"]
+    assert colocated.processes()["generator"] == 0 and colocated.expected()["generator"] == 4
+    tensor_parallel = gpu_launcher("disaggregated", "generator.tensor_parallel=2")
+    assert tensor_parallel.role_env("generator", 0)["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_a_cpu_plan_sets_no_gpus() -> None:
+    cfg = load_run_config(None, ["placement.layout=colocated"])
+    launcher = LocalLauncher(cfg, Path("/runs/x"))
+    launcher.plan = make_plan(cfg, cpu_cluster([0, 1], 8 << 30, peak_flops=1e11))
+    assert "CUDA_VISIBLE_DEVICES" not in launcher.role_env("trainer", 0) or os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert "--device" not in launcher.role_command("trainer", 0)

@@ -86,9 +86,12 @@ def _movers(roles: Roles, *, with_rewards: bool) -> list[Assignment]:
 
 def _trainers(cluster: ClusterSpec, slots: list[int], roles: Roles, *, shared: bool, hosts: bool) -> list[Assignment]:
     """Trainer ranks spread over ``slots``: rank r on its run of slots (several ranks on one
-    slot when there are more ranks than slots)."""
+    slot when there are more ranks than slots). A GPU rank computes on one GPU: with fewer
+    ranks than GPUs the ranks take the first ones and the rest stay idle."""
     out = []
     n = roles.trainers
+    if cluster.slots[slots[0]].kind == "gpu" and n < len(slots):
+        slots = slots[:n]
     if n <= len(slots):
         for r, run in enumerate(_split(slots, n)):
             out.append(Assignment(role="trainer", index=r, slots=tuple(run), cores=_cores(cluster, run),

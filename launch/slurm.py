@@ -157,13 +157,20 @@ def plan_layout(counts: Mapping[str, int], nodes: int, gpus_per_node: int, layou
             f"{len(ranks)} trainer ranks{f', {g} GPUs a node' if g else ''}): ask for --nodes {used}, "
             f"or raise run.num_generators / trainer.world_size to use them"
         )
+    return _placement(nodes, g, "disaggregated", light, (gens, 0, gen_nodes), (ranks, gen_nodes, trainer_nodes))
+
+
+def _placement(
+    nodes: int, g: int, layout: str, light: list[tuple[str, int]], *spreads: tuple[list[tuple[str, int]], int, int]
+) -> Placement:
+    """The light roles on node 0; each (processes, first node, node count) of ``spreads``
+    in contiguous runs over its nodes."""
     plan: list[list[tuple[str, int]]] = [[] for _ in range(nodes)]
     plan[0] += light
-    for n, chunk in enumerate(_chunks(gens, gen_nodes)):
-        plan[n] += chunk
-    for n, chunk in enumerate(_chunks(ranks, trainer_nodes)):
-        plan[gen_nodes + n] += chunk
-    return Placement(tuple(tuple(p) for p in plan), g, "disaggregated")
+    for procs, first, count in spreads:
+        for n, chunk in enumerate(_chunks(procs, count)):
+            plan[first + n] += chunk
+    return Placement(tuple(tuple(p) for p in plan), g, layout)
 
 
 def _shared_layout(
@@ -187,13 +194,7 @@ def _shared_layout(
             f"placement.layout={layout} puts trainer ranks on every node: {len(ranks)} ranks fill only "
             f"{len(ranks)} of the {nodes} nodes asked for; ask for --nodes {len(ranks)} or raise trainer.world_size"
         )
-    plan: list[list[tuple[str, int]]] = [[] for _ in range(nodes)]
-    plan[0] += light
-    for n, chunk in enumerate(_chunks(gens, nodes)):
-        plan[n] += chunk
-    for n, chunk in enumerate(_chunks(ranks, nodes)):
-        plan[n] += chunk
-    return Placement(tuple(tuple(p) for p in plan), g, layout)
+    return _placement(nodes, g, layout, light, (gens, 0, nodes), (ranks, 0, nodes))
 
 
 def resolve_layout(cfg: RunConfig, nodes: int, cpus: Sequence[int], gpus_per_node: int) -> str:

@@ -397,9 +397,12 @@ def cancel_after() -> Iterator[list[str]]:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_the_default_job_on_two_nodes_learns(cluster: tuple[int, int], tmp_path: Path, cancel_after: list[str]) -> None:
+@pytest.mark.parametrize("layout", ["auto", "partial"])
+def test_the_default_job_on_two_nodes_learns(
+    cluster: tuple[int, int], tmp_path: Path, cancel_after: list[str], layout: str
+) -> None:
     run_dir = tmp_path / "default"
-    job_id = submit(run_dir)
+    job_id = submit(run_dir, f"placement.layout={layout}")
     cancel_after.append(job_id)
     out = run_dir / f"slurm-{job_id}.out"
     wait_for(lambda: not in_queue(job_id), 900, "the job to end", out)
@@ -408,9 +411,10 @@ def test_the_default_job_on_two_nodes_learns(cluster: tuple[int, int], tmp_path:
     assert_default_job_learned(metrics(run_dir), run_dir)  # as the loop test on one machine
     (record,) = [json.loads(line) for line in (run_dir / "slurm.jsonl").read_text().splitlines()]
     assert record["job_id"] == job_id and list(record["nodes"]) == ["node1", "node2"]
-    layout = json.loads((run_dir / "plan.json").read_text())["layout"]  # auto: the planner's pick
-    assert record["placement"] == plan_layout(DEFAULT, 2, 0, layout).describe()
-    assert f"placement.layout=auto -> {layout}" in out.read_text()
+    placed = json.loads((run_dir / "plan.json").read_text())["layout"]  # auto: the planner's pick
+    assert placed == layout or layout == "auto"
+    assert record["placement"] == plan_layout(DEFAULT, 2, 0, placed).describe()
+    assert f"placement.layout={layout} -> {placed}" in out.read_text()
     assert "all roles READY" in out.read_text()
     wait_for(lambda: processes_of(run_dir) == [], 30, f"every process of the run to exit: {processes_of(run_dir)}")
 
@@ -419,7 +423,7 @@ def test_the_default_job_on_two_nodes_learns(cluster: tuple[int, int], tmp_path:
 @pytest.mark.slow
 def test_scancel_mid_run_leaves_no_process(cluster: tuple[int, int], tmp_path: Path, cancel_after: list[str]) -> None:
     run_dir = tmp_path / "cancelled"
-    job_id = submit(run_dir, "run.steps=500")
+    job_id = submit(run_dir, "run.steps=500", "placement.layout=disaggregated")  # generator steps too
     cancel_after.append(job_id)
     out = run_dir / f"slurm-{job_id}.out"
     wait_for(lambda: len(metrics(run_dir)) >= 2, 600, "two steps", out)

@@ -370,3 +370,25 @@ def test_hf_engine_on_cuda_matches_its_forward(tiny_model_dir: Path) -> None:
             assert max_diff(s.logprobs, eng.sequence_logprobs(PROMPTS[1], s.token_ids)) < 0.1
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_sleep_frees_the_gpu_and_wake_restores_the_engine(tiny_model_dir: Path) -> None:
+    """The colocated layout's switch on GPU: sleep (level 1) frees the KV cache and moves
+    the weights to host memory, so a trainer rank on the same GPU gets it back; after
+    wake_up and a weight update the engine generates what it did before."""
+    config = GeneratorConfig(backend="vllm", vllm_max_model_len=256, vllm_gpu_memory_utilization=0.3, seed=0)
+    eng = make_engine(str(tiny_model_dir), config, device="cuda")
+    try:
+        greedy = PromptRequest(prompt_ids=PROMPTS[1], n=1, sampling=sp(temperature=0.0, max_new_tokens=8))
+        before = eng.generate([greedy])[0][0].token_ids
+        free_awake, _ = torch.cuda.mem_get_info()
+        eng.sleep()
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_awake > 100 << 20, "sleep freed less than 100 MiB (the KV cache alone is more)"
+        eng.wake_up()
+        eng.update_weights(load_reference(tiny_model_dir).state_dict().items())  # as the colocated wake does
+        assert eng.generate([greedy])[0][0].token_ids == before
+    finally:
+        eng.close()

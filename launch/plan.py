@@ -94,7 +94,7 @@ def compute_dtype(dtype: str, kind: str) -> str:
     return str(resolve_dtype(dtype, torch.device("cuda" if kind == "gpu" else "cpu"))).removeprefix("torch.")
 
 
-def _memory_bytes() -> int:
+def machine_memory() -> int:
     """This machine's memory: MemTotal of /proc/meminfo, else the page count."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -115,7 +115,7 @@ def this_machine(*, peak_flops: float | None = None, dtype: str = "auto") -> Clu
         memory = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
         cluster = gpu_cluster(memory, cores)
     else:
-        cluster = cpu_cluster(cores, _memory_bytes())
+        cluster = cpu_cluster(cores, machine_memory())
     return with_peak(cluster, dtype) if peak_flops is None else replace(cluster, peak_flops=peak_flops)
 
 

@@ -203,31 +203,40 @@ def resolve_layout(cfg: RunConfig, nodes: int, cpus: Sequence[int], gpus_per_nod
     layout = cfg.placement.layout
     if layout != "auto":
         return layout
-    choices = [name for name in LAYOUT_NAMES if _fits(cfg, nodes, gpus_per_node, name)]
+    choices = fitting_layouts(cfg, nodes, gpus_per_node)
     if len(choices) <= 1:  # nothing to choose (none: the disaggregated layout's error says what to ask for)
         return choices[0] if choices else "disaggregated"
-    from launch.plan import plan_for_run
+    from launch.plan import machine_memory, plan_for_run
     from yatt.placement.layouts import cpu_cluster, gpu_cluster
 
-    mem = os.environ.get("SLURM_MEM_PER_NODE")
-    node_bytes = int(mem) << 20 if mem and mem.isdigit() and int(mem) > 0 else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if gpus_per_node:
         import torch
 
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 << 30
         cluster = gpu_cluster([gpu_bytes] * (nodes * gpus_per_node), list(range(sum(cpus))))
     else:
+        node_bytes = (slurm_mem_mb() << 20) or machine_memory()
         cluster = cpu_cluster(list(range(sum(cpus))), node_bytes * nodes)
     picked = plan_for_run(cfg, cluster).layout
     return picked if picked in choices else choices[0]
 
 
-def _fits(cfg: RunConfig, nodes: int, gpus_per_node: int, layout: str) -> bool:
-    try:
-        plan_layout(role_counts(cfg), nodes, gpus_per_node, layout)
-    except ConfigError:
-        return False
-    return True
+def fitting_layouts(cfg: RunConfig, nodes: int, gpus_per_node: int) -> list[str]:
+    """The layouts ``plan_layout`` can place this run in on the allocation."""
+    fit = []
+    for layout in LAYOUT_NAMES:
+        try:
+            plan_layout(role_counts(cfg), nodes, gpus_per_node, layout)
+        except ConfigError:
+            continue
+        fit.append(layout)
+    return fit
+
+
+def slurm_mem_mb() -> int:
+    """Memory per node the job was given (``SLURM_MEM_PER_NODE``, MB); 0 when unset or all of it."""
+    mem = os.environ.get("SLURM_MEM_PER_NODE")
+    return int(mem) if mem and mem.isdigit() and int(mem) > 0 else 0
 
 
 def placement_plan(placement: Placement, cpus: Sequence[int]) -> Plan:
@@ -276,7 +285,7 @@ def render_script(
 ) -> str:
     """The sbatch script of one run (raises ``ConfigError`` when the layout does not fit)."""
     layout = cfg.placement.layout
-    shown = [layout] if layout != "auto" else [name for name in LAYOUT_NAMES if _fits(cfg, nodes, gpus_per_node, name)]
+    shown = [layout] if layout != "auto" else fitting_layouts(cfg, nodes, gpus_per_node)
     if not shown:  # auto, and nothing fits: the disaggregated layout's error says what to ask for
         shown = ["disaggregated"]
     placements = {name: plan_layout(role_counts(cfg), nodes, gpus_per_node, name) for name in shown}
@@ -413,8 +422,7 @@ class SlurmLauncher(LocalLauncher):
         self.job_id = job_id
         self.host = addresses[0]
         self._store: object = None  # the torch.distributed TCPStore, alive while the run is
-        mem = os.environ.get("SLURM_MEM_PER_NODE")
-        self.mem_mb = int(mem) if mem and mem.isdigit() and int(mem) > 0 else 0
+        self.mem_mb = slurm_mem_mb()
 
     def registry_endpoints(self) -> tuple[str, str]:
         port = self.cfg.slurm.head_port

@@ -50,7 +50,10 @@ class RunSettings:
     ready_timeout_s: float = 600.0
     """How long the launcher waits for every role to report READY."""
     restart_limit: int = 5
-    """Restarts of one controller, generator or reward process before the run fails."""
+    """Restarts of one role process (of the trainer group as a whole) before the run fails."""
+    stall_timeout_s: float = 1800.0
+    """No new step for this long after READY stops the run, with every role's state and log
+    tail (a hang is never silent); 0: wait for good."""
     trace: bool = False
     """Write every role's spans to <run_dir>/trace/<role>-<index>.jsonl (yatt.trace; for timelines)."""
 
@@ -58,7 +61,15 @@ class RunSettings:
         require(self.steps >= 1, "steps", f"must be >= 1 (got {self.steps})")
         require(self.num_generators >= 1, "num_generators", f"must be >= 1 (got {self.num_generators})")
         require(self.num_rewards >= 1, "num_rewards", f"must be >= 1 (got {self.num_rewards})")
-
+        require(self.restart_limit >= 0, "restart_limit", f"must be >= 0, 0 for no restarts (got {self.restart_limit})")
+        require(self.ready_timeout_s > 0, "ready_timeout_s", f"must be > 0 seconds (got {self.ready_timeout_s})")
+        require(self.stall_timeout_s >= 0, "stall_timeout_s", f"must be >= 0, 0 to wait for good (got {self.stall_timeout_s})")
+        require(
+            self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127."),
+            "host",
+            f"must be a loopback address for a run on one machine (got {self.host!r}): every role, the "
+            "registry and the torch.distributed store bind on it, and nothing off this machine may reach them",
+        )
 
 @dataclass(frozen=True, kw_only=True)
 class SlurmSettings:

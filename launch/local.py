@@ -4,10 +4,17 @@ The launcher hosts the registry, starts the role processes, waits until each has
 registered (the READY handshake), then watches them::
 
     launcher (registry) --spawn--> buffer, reward x R, generator x G, controller x S, trainer x W
+        checks     : before any process starts, the config, the model and the data (one line)
         READY      = every expected role registered in the directory
-        running    : a controller, generator or reward process that exits is restarted
-                     (the buffer's ledger makes that lossless); a trainer rank or the
-                     buffer that fails stops the run with its log's tail
+        running    : a controller, generator, reward or buffer process that exits is
+                     restarted (the buffer rebuilds its state from the ledger, so nothing
+                     is lost); a trainer rank that fails takes its group down, the buffer
+                     rewinds to the last complete checkpoint and the group restarts from
+                     it (a new incarnation, whose weights the generators take); each at
+                     most run.restart_limit times
+        watched    : no new step within run.stall_timeout_s stops the run with every
+                     role's state and log tail; every role dies with the launcher
+                     (PR_SET_PDEATHSIG), even a SIGKILLed one
         done       = trainer rank 0 exits 0 after the last step and the final export
         Ctrl-C / SIGTERM, done or failure: SIGTERM to every process, SIGKILL after a grace
 
@@ -30,13 +37,16 @@ from pathlib import Path
 from launch.config import RunConfig, dump_run_config
 from launch.placement import describe, make_plan, write_plan
 from launch.plan import this_machine
-from yatt.errors import ActorFailed, ConfigError, RequestTimeout
+from protocols.messages import Ack, Query
+from yatt.errors import ActorFailed, ConfigError, PeerLost, RemoteError, RequestTimeout, TransportError
 from yatt.placement.plan import Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport
 
-RESTARTABLE = ("controller", "generator", "reward")
+RESTARTABLE = ("controller", "generator", "reward", "buffer")
 GRACE_S = 15.0
+RUN_FILES = ("metrics.jsonl", "ledger.db")
+"""What marks a run dir as holding a run (with a complete checkpoint): reusing it needs --resume."""
 
 
 @dataclass
@@ -73,6 +83,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run (one with a ``done`` marker)."""
     done = sorted(run_dir.glob("checkpoints/step_*/done"), key=lambda p: int(p.parent.name.split("_")[1]))
     return done[-1].parent if done else None
+
+
+def check_run_dir(run_dir: Path, resume: Path | None) -> None:
+    """A run dir that already holds a run is continued with --resume, never written over."""
+    if resume is None and (any((run_dir / name).exists() for name in RUN_FILES) or latest_checkpoint(run_dir)):
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run; continue it with `python -m launch run --resume {run_dir}`, "
+            "or give another --run-dir"
+        )
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:
@@ -154,6 +173,10 @@ class LocalLauncher:
         """The address of the registry and of the torch.distributed rendezvous."""
         self.plan: Plan | None = None
         self.gpu_slots = False  # the plan's slots are GPUs
+        self.trainer_resume = resume
+        """The checkpoint the trainer group (re)starts from."""
+        self.incarnation = 0
+        """Restarts of the trainer group in this run (its weight updates carry it)."""
 
     def make_plan(self) -> Plan | None:
         """Where each role runs on this machine (written to the run dir; roles read it back)."""
@@ -188,15 +211,9 @@ class LocalLauncher:
         return free_port(self.host)
 
     async def run(self) -> int:
-        """Run to completion; 0 on success, 1 when a role failed, 130 on Ctrl-C."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
-        self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
-        if self.resume is not None:  # the steps after the checkpoint are trained again
-            trim_metrics(self.run_dir, int(self.resume.name.split("_")[1]))
-        dump_run_config(self.cfg, self.run_dir / "config.yaml")
+        """Run to completion; 0 on success, 1 when a role failed, 2 on a config error, 130 on Ctrl-C."""
         try:
-            self.plan = await asyncio.to_thread(self.make_plan)
+            await self._check()
         except ConfigError as e:
             print(f"yatt: config error: {e}", file=sys.stderr, flush=True)
             return 2
@@ -219,7 +236,7 @@ class LocalLauncher:
                             self.procs.append(self._spawn(role, index))
                     await self._wait_ready(directory, stop)
                     print(f"yatt: all roles READY; run dir {self.run_dir}", flush=True)
-                    return await self._watch(stop)
+                    return await self._watch(directory, stop)
             except (ActorFailed, ConfigError) as e:
                 print(f"yatt: {e}", file=sys.stderr, flush=True)
                 return 1
@@ -227,9 +244,26 @@ class LocalLauncher:
                 await self._stop_all()
                 await registry.close()
 
+    async def _check(self) -> None:
+        """What can be checked before any process starts: the run dir, the model, the data
+        (read and tokenised as the roles will), the placement."""
+        check_run_dir(self.run_dir, self.resume)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
+        from yatt.data import load_prompts
+
+        await asyncio.to_thread(load_prompts, self.cfg.data, str(self.model_path))
+        if self.resume is not None:  # the steps after the checkpoint are trained again
+            trim_metrics(self.run_dir, checkpoint_step(self.resume))
+        dump_run_config(self.cfg, self.run_dir / "config.yaml")
+        self.plan = await asyncio.to_thread(self.make_plan)
+
     def _spawn(self, role: str, index: int, restarts: int = 0) -> Proc:
         log = self.run_dir / "logs" / f"{role}-{index}.log"
         cmd, env = self.role_command(role, index), self.role_env(role, index)
+        if role == "buffer" and restarts:  # a restart carries on from the ledger, it does not rewind
+            cmd = _without_option(cmd, "--resume")
         with log.open("ab") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts)
@@ -243,8 +277,12 @@ class LocalLauncher:
             "--index", str(index),
             "--model-path", str(self.model_path),
         ]  # fmt: skip
-        if self.resume is not None and role in ("buffer", "trainer"):
+        if role == "buffer" and self.resume is not None:
             cmd += ["--resume", str(self.resume)]
+        if role == "trainer":
+            if self.trainer_resume is not None:
+                cmd += ["--resume", str(self.trainer_resume)]
+            cmd += ["--incarnation", str(self.incarnation)]
         if role == "generator" and self._gpus_of(role, index):
             cmd += ["--device", "cuda"]  # its slots' GPUs, the only ones it sees
         return cmd
@@ -254,6 +292,7 @@ class LocalLauncher:
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(role_threads(self.cfg, role, index, self.plan))
         env["PYTHONUNBUFFERED"] = "1"
+        env["YATT_LAUNCHER_PID"] = str(os.getpid())  # the role dies with it (launch.role)
         if role == "trainer":
             env.update(
                 MASTER_ADDR=self.host,
@@ -303,11 +342,20 @@ class LocalLauncher:
             except RequestTimeout:
                 continue  # poll the processes again
 
-    async def _watch(self, stop: asyncio.Event) -> int:
+    async def _watch(self, directory: Directory, stop: asyncio.Event) -> int:
         progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.run.steps, enabled=self.show_progress)
+        group_restarts = 0
+        last_step = time.monotonic()
         try:
             while not stop.is_set():
-                progress.update()
+                if progress.update():
+                    last_step = time.monotonic()
+                stall = self.cfg.run.stall_timeout_s
+                if stall and time.monotonic() - last_step > stall:
+                    raise ActorFailed(
+                        f"no step for {stall:.0f} s (run.stall_timeout_s); the run stops. Every role:\n"
+                        + self.roles_report()
+                    )
                 for i, p in enumerate(self.procs):
                     code = p.popen.poll()
                     if code is None:
@@ -319,24 +367,70 @@ class LocalLauncher:
                         if p.restarts >= self.cfg.run.restart_limit:
                             raise ActorFailed(
                                 f"{p.name} died {p.restarts + 1} times (run.restart_limit={self.cfg.run.restart_limit}); "
-                                f"last log:\n{log_tail(p.log)}"
+                                f"last log ({p.log}):\n{log_tail(p.log)}"
                             )
                         print(f"yatt: {p.name} exited with code {code}; restarting it", file=sys.stderr, flush=True)
                         self.procs[i] = self._spawn(p.role, p.index, restarts=p.restarts + 1)
                         continue
                     if p.role == "trainer" and code == 0:
                         continue  # a non-zero rank finished; rank 0 ends the run
-                    raise ActorFailed(
-                        f"{p.name} exited with code {code}; the run stops. Resume from the last checkpoint with "
-                        f"`python -m launch run --resume {self.run_dir}`. Its log ({p.log}):\n{log_tail(p.log)}"
-                    )
+                    if group_restarts >= self.cfg.run.restart_limit:
+                        raise ActorFailed(
+                            f"{p.name} exited with code {code}, and the trainer group was restarted {group_restarts} "
+                            f"times (run.restart_limit); the run stops. Resume from the last checkpoint with "
+                            f"`python -m launch run --resume {self.run_dir}`. Its log ({p.log}):\n{log_tail(p.log)}"
+                        )
+                    group_restarts += 1
+                    print(f"yatt: {p.name} exited with code {code}; its log ({p.log}):\n{log_tail(p.log, 10)}", file=sys.stderr, flush=True)
+                    await self._restart_trainers(directory)
+                    progress.rewind(checkpoint_step(self.trainer_resume) if self.trainer_resume else 0)
+                    last_step = time.monotonic()
+                    break
                 await asyncio.sleep(0.2)
             return 130
         finally:
             progress.close()
 
+    async def _restart_trainers(self, directory: Directory) -> None:
+        """The trainer group again, from the last complete checkpoint (or the start): stop
+        every rank, rewind the buffer to the checkpoint, trim the metrics, start the ranks
+        as a new incarnation (the generators take its weights, older ones are refused)."""
+        ranks = [p for p in self.procs if p.role == "trainer"]
+        await self._stop(ranks)
+        checkpoint = latest_checkpoint(self.run_dir)
+        print(f"yatt: restarting the trainer group from {checkpoint or 'the start'}", file=sys.stderr, flush=True)
+        args = {"dir": str(checkpoint)} if checkpoint is not None else {}
+        try:
+            reply = await directory.request(
+                "buffer", Query(what="rewind", args=args), Ack,
+                timeout=self.cfg.transport.request_timeout_s, within=self.cfg.run.ready_timeout_s,
+            )  # fmt: skip
+        except (PeerLost, RemoteError, RequestTimeout, TransportError) as e:
+            raise ActorFailed(f"the buffer could not rewind to {checkpoint or 'the start'}: {e}") from e
+        trim_metrics(self.run_dir, checkpoint_step(checkpoint) if checkpoint is not None else 0)
+        self.trainer_resume = checkpoint
+        self.incarnation += 1
+        self.master_port = self.rendezvous_port()
+        for p in ranks:
+            self.procs[self.procs.index(p)] = self._spawn("trainer", p.index, restarts=p.restarts + 1)
+        print(f"yatt: buffer rewound to step {reply.info.get('step')}; trainer group incarnation {self.incarnation}", file=sys.stderr, flush=True)
+
+    def roles_report(self) -> str:
+        """Each role process: alive or its exit code, its restarts, the tail of its log."""
+        lines = []
+        for p in self.procs:
+            code = p.popen.poll()
+            state = "alive" if code is None else f"exited {code}"
+            lines.append(f"  {p.name}: {state}, {p.restarts} restarts, log {p.log}:")
+            lines.extend(f"    {line}" for line in log_tail(p.log, 5).splitlines())
+        return "\n".join(lines)
+
     async def _stop_all(self) -> None:
-        live = [p for p in self.procs if p.popen.poll() is None]
+        await self._stop(self.procs)
+
+    async def _stop(self, procs: list[Proc]) -> None:
+        """SIGTERM, then SIGKILL after the grace, to those of ``procs`` still running."""
+        live = [p for p in procs if p.popen.poll() is None]
         self.ask_to_stop(live)
         deadline = time.monotonic() + GRACE_S
         while any(p.popen.poll() is None for p in live) and time.monotonic() < deadline:
@@ -345,6 +439,19 @@ class LocalLauncher:
             if p.popen.poll() is None:
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint directory (``step_<k>``) was written after."""
+    return int(checkpoint.name.split("_")[1])
+
+
+def _without_option(cmd: list[str], option: str) -> list[str]:
+    """``cmd`` without ``option`` and its value."""
+    if option not in cmd:
+        return cmd
+    i = cmd.index(option)
+    return cmd[:i] + cmd[i + 2 :]
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -367,15 +474,17 @@ class Progress:
 
             self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout)
 
-    def update(self) -> None:
+    def update(self) -> int:
+        """Read the new lines; returns how many steps they reported."""
         if not self.path.exists():
-            return
+            return 0
         with self.path.open() as f:
             f.seek(self._offset)
             text = f.read()
         complete = text[: text.rfind("\n") + 1]
         self._offset += len(complete.encode())
-        for line in complete.splitlines():
+        lines = complete.splitlines()
+        for line in lines:
             m = json.loads(line)
             if self._bar is None:
                 continue
@@ -386,6 +495,14 @@ class Progress:
                 stale=f"{m.get('staleness/mean', 0):.2f}",
                 refresh=False,
             )
+            self._bar.refresh()
+        return len(lines)
+
+    def rewind(self, step: int) -> None:
+        """The metrics file was trimmed to the steps before ``step``: read it from there."""
+        self._offset = sum(len(line.encode()) + 1 for line in self.path.read_text().splitlines()) if self.path.exists() else 0
+        if self._bar is not None:
+            self._bar.n = step
             self._bar.refresh()
 
     def close(self) -> None:

@@ -31,6 +31,21 @@ logger = logging.getLogger("yatt.role")
 ROLES = ("buffer", "controller", "generator", "reward", "trainer")
 
 
+def die_with_launcher() -> None:
+    """A role started by ``launch run`` dies with its launcher, even a SIGKILLed one (the
+    OOM killer): the kernel sends SIGKILL when the parent goes (PR_SET_PDEATHSIG). If the
+    launcher is already gone, exit now."""
+    launcher = os.environ.get("YATT_LAUNCHER_PID")
+    if not launcher or not sys.platform.startswith("linux"):
+        return  # started another way (SLURM steps end with their job)
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):
+        sys.exit(f"launch.role: the launcher (pid {launcher}) is gone; exiting")
+
+
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,6 +137,7 @@ async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transpor
                 model=cfg.model, trainer=cfg.trainer, algorithm=cfg.algorithm, generator=cfg.generator,
                 transport=cfg.transport, steps=cfg.run.steps, micro_batches_per_step=cfg.buffer.micro_batches_per_step,
                 temperature=cfg.controller.temperature, ready_timeout_s=cfg.run.ready_timeout_s,
+                incarnation=args.incarnation,
             ),
             run_dir=args.run_dir,
             model_path=args.model_path,
@@ -151,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, default=0, help="shard of a controller, rank of a trainer, n-th worker")
     parser.add_argument("--model-path", type=Path, required=True, help="the resolved local model directory")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint dir to resume from")
+    parser.add_argument("--incarnation", type=int, default=0, help="a trainer group's restarts in the run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--host", default=None, help="the address to bind on (default run.host; on SLURM its node's)")
     args = parser.parse_args(argv)
+    die_with_launcher()
     logging.basicConfig(
         level=os.environ.get("YATT_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {args.role}-{args.index} %(levelname)s %(name)s: %(message)s",

@@ -437,6 +437,7 @@ class SlurmLauncher(LocalLauncher):
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         port = self.cfg.slurm.head_port + 2 if self.cfg.slurm.head_port else 0
+        self._store = None  # a restarted trainer group meets on a fresh store (on the same port)
         try:
             store = TCPStore(self.host, port, None, True, wait_for_workers=False)
         except RuntimeError as e:

@@ -235,12 +235,15 @@ class WeightUpdate(Message):
     """One bucket of a versioned weight update, trainer -> generator.
 
     A generator applies version ``version`` once all ``num_buckets`` buckets have arrived,
-    between engine calls, and then acks it.
+    between engine calls, and then acks it. ``incarnation`` counts the trainer group's
+    restarts in the run: an update of a newer incarnation is taken even at a lower version
+    (the run went back to a checkpoint); one of an older incarnation is refused.
     """
 
     KIND: ClassVar[bytes] = b"weights"
 
     version: int
+    incarnation: int = 0
     bucket_index: int
     num_buckets: int
     names: list[str]  # parameter names in Hugging Face naming

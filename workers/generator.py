@@ -69,7 +69,8 @@ class Generator(Actor):
         self._queue: asyncio.Queue[tuple[GenerateRequest, asyncio.Future[Completions]]] = asyncio.Queue()
         self._engine_lock = asyncio.Lock()
         self._version_changed = asyncio.Condition()
-        self._buckets: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket index -> bucket
+        self.incarnation = 0  # of the trainer group whose weights the engine holds
+        self._buckets: dict[tuple[int, int], dict[int, WeightUpdate]] = {}  # (incarnation, version) -> index -> bucket
         self.generate_s = 0.0  # time inside engine.generate
         self.sync_s = 0.0  # time inside engine.update_weights
         self.tokens = 0
@@ -138,16 +139,24 @@ class Generator(Actor):
 
     @handles(WeightUpdate, serial=True)
     async def weights(self, msg: WeightUpdate) -> Ack:
-        if msg.version <= self.version:
+        if msg.incarnation < self.incarnation:
+            raise ProtocolError(
+                f"WeightUpdate.incarnation={msg.incarnation}: the trainer group of incarnation "
+                f"{self.incarnation} replaced it; its weights are not taken"
+            )
+        if msg.incarnation == self.incarnation and msg.version <= self.version:
             return Ack(seq=msg.version, info={"status": "already applied"})
         if len(msg.names) != len(msg.tensors):
             raise ProtocolError(f"WeightUpdate has {len(msg.names)} names but {len(msg.tensors)} tensors")
-        buckets = self._buckets.setdefault(msg.version, {})
+        if not 0 <= msg.bucket_index < msg.num_buckets:
+            raise ProtocolError(f"WeightUpdate.bucket_index={msg.bucket_index} is outside 0..{msg.num_buckets - 1}")
+        label = (msg.incarnation, msg.version)
+        buckets = self._buckets.setdefault(label, {})
         buckets[msg.bucket_index] = msg
         if len(buckets) < msg.num_buckets:
             return Ack(seq=msg.version, info={"status": f"bucket {msg.bucket_index + 1}/{msg.num_buckets}"})
-        del self._buckets[msg.version]
-        for old in [v for v in self._buckets if v < msg.version]:
+        del self._buckets[label]
+        for old in [v for v in self._buckets if v < label]:
             del self._buckets[old]  # an update that never completed was overtaken
 
         def named() -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,6 +170,7 @@ class Generator(Actor):
             with trace.span("weight_load"):
                 await asyncio.to_thread(self.engine.update_weights, named())
             self.sync_s += time.perf_counter() - start
+            self.incarnation = msg.incarnation
             await self.set_version(msg.version)
         self._awake.set()
         return Ack(seq=msg.version, info={"status": "applied"})

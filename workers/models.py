@@ -23,6 +23,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
 )
 
@@ -109,9 +110,22 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    _save_quietly(model, out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _save_quietly(model: PreTrainedModel, out: Path) -> None:
+    """``save_pretrained`` without its progress bar (a launcher's output stays its own lines)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        model.save_pretrained(out)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def smollm2_gguf_path() -> Path:
@@ -141,7 +155,7 @@ def export_smollm2(out_dir: str | Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    _save_quietly(model, out)
     tokenizer.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
     config.pop("quantization_config", None)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -41,7 +42,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ from workers.engines.base import Engine
 from workers.generator import Generator
 from workers.trainer import Trainer
 from yatt import trace
-from yatt.actor import Actor, Client, handles
+from yatt.actor import Actor, handles
 from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
 from yatt.registry import Directory
@@ -90,6 +91,25 @@ class RankConfig:
     """The rollouts' sampling temperature (``controller.temperature``): log-probs are taken at it."""
     ready_timeout_s: float
     """How long to wait for the buffer to register (``run.ready_timeout_s``)."""
+    incarnation: int = 0
+    """Restarts of the trainer group in this run: its weight updates carry it, so the
+    generators take them over the weights of a group that died (even at a lower version)."""
+
+
+R = TypeVar("R", bound=Message)
+
+
+class BufferLink:
+    """The rank's calls to the buffer, across a buffer restart: every one is idempotent
+    (a micro-batch is served again, a version published twice is one), so a lost buffer is
+    looked up again in the directory and the call sent again."""
+
+    def __init__(self, directory: Directory, within: float) -> None:
+        self.directory = directory
+        self.within = within
+
+    async def request(self, msg: Message, expect: type[R], *, timeout: float | None = None) -> R:
+        return await self.directory.request("buffer", msg, expect, timeout=timeout, within=self.within)
 
 
 class TrainerActor(Actor):
@@ -203,11 +223,13 @@ class TrainerRank:
     async def run(self, directory: Directory, stop: asyncio.Event) -> None:
         """Train to ``run.steps``, then export the final model; returns when done."""
         await directory.wait_until(lambda d: bool(d.members("buffer")), timeout=self.cfg.ready_timeout_s)
-        buffer = directory.client(directory.members("buffer")[0].actor_id)
+        buffer = BufferLink(directory, self.cfg.ready_timeout_s)
         watcher = None
         external = self.layout != "colocated"  # generator processes that need weight pushes
+        # Resumed or restarted: the generators hold the base weights, or a dead group's.
+        restored = self.trainer.step > 0 or self.cfg.incarnation > 0
         if self.rank == 0:
-            if self.trainer.step > 0:  # resumed: the generators start from the base weights
+            if restored:
                 if external:
                     self._buckets = await asyncio.to_thread(self._gather, self.trainer.step)
                     await self._push_all(directory)
@@ -215,7 +237,7 @@ class TrainerRank:
             if external:
                 watcher = asyncio.get_running_loop().create_task(self._watch_generators(directory))
         else:
-            if self.trainer.step > 0 and external:
+            if restored and external:
                 await asyncio.to_thread(self._gather, self.trainer.step)
         try:
             while self.trainer.step < self.cfg.steps and not stop.is_set():
@@ -233,11 +255,11 @@ class TrainerRank:
         await asyncio.to_thread(dist.barrier)
         dist.destroy_process_group()
 
-    async def _step(self, buffer: Client, directory: Directory) -> None:
+    async def _step(self, buffer: BufferLink, directory: Directory) -> None:
         with trace.span("step"):
             await self._run_step(buffer, directory)
 
-    async def _run_step(self, buffer: Client, directory: Directory) -> None:
+    async def _run_step(self, buffer: BufferLink, directory: Directory) -> None:
         step = self.trainer.step
         loop = asyncio.get_running_loop()
         wait = [0.0]
@@ -338,7 +360,7 @@ class TrainerRank:
         elif self.layout == "partial" and self.rank == 0:
             await self._ask_generators(directory, "sleep")
 
-    async def _resume_generation(self, buffer: Client, version: int) -> None:
+    async def _resume_generation(self, buffer: BufferLink, version: int) -> None:
         """Colocated: every rank gathers the new weights into its engine (collective), the
         engine serves version ``version``; rank 0 tells the buffer."""
         await asyncio.to_thread(self._wake_engine)
@@ -368,9 +390,11 @@ class TrainerRank:
     def _gather(self, version: int) -> list[WeightUpdate]:
         """Collective on every rank; rank 0 gets the buckets."""
         bucket_bytes = int(self.cfg.trainer.weight_bucket_mb * (1 << 20))
-        return list(self.trainer.weight_buckets(version, bucket_bytes))
+        return [
+            dataclasses.replace(b, incarnation=self.cfg.incarnation) for b in self.trainer.weight_buckets(version, bucket_bytes)
+        ]
 
-    async def _checkpoint(self, buffer: Client, version: int) -> None:
+    async def _checkpoint(self, buffer: BufferLink, version: int) -> None:
         directory = self.run_dir / "checkpoints" / f"step_{version}"
         await asyncio.to_thread(self.trainer.save_checkpoint, directory / "trainer")
         if self.rank == 0:

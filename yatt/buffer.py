@@ -9,14 +9,25 @@ micro-batch is assembled, so training starts before the step's batch is complete
     controllers --PlanRequest--> (wait for a new plan) -> DispatchPlan
     trainer r   --MicroBatchRequest(step, index)--> (wait for the wave) -> MicroBatch
     trainer 0   --PolicyVersion(k+1)--> reopens the window (on-policy mode)
-    trainer 0   --Query("checkpoint", dir)--> state + ledger copy into the checkpoint
+    trainer 0   --Query("checkpoint", dir)--> the ledger's mark into the checkpoint
+    launcher    --Query("rewind", dir)--> back to a checkpoint (a trainer group restarts)
     anyone      --Query("stats")--> Metrics
+
+Its state is rebuilt from the ledger (``SamplingBuffer.replay``) whenever it starts: a
+buffer restarted in a run carries on where the ledger ends (undecided and uncommitted
+groups are simply offered again by the controllers, whose ``Ack`` never came); a resumed
+run first appends a ``rewind`` to the checkpoint's mark. Plan numbers start from a random
+base in every incarnation, so a controller's long poll returns at once after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from protocols.messages import (
@@ -34,13 +45,13 @@ from protocols.messages import (
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import BufferConfig
-from yatt.errors import ConfigError
+from yatt.errors import ConfigError, ProtocolError
 from yatt.ledger import Ledger
 from yatt.sampling import SamplingBuffer
 from yatt.transport import Transport
 
-STATE_FILE = "buffer_state.msgpack"
-LEDGER_FILE = "ledger.db"
+MARK_FILE = "buffer.json"
+logger = logging.getLogger(__name__)
 
 
 class Buffer(Actor):
@@ -64,7 +75,7 @@ class Buffer(Actor):
     ) -> None:
         super().__init__(transport, endpoint=endpoint)
         self.ledger = Ledger(ledger_path, group_commit=True)
-        self.core = SamplingBuffer(
+        self._new_core: Callable[[], SamplingBuffer] = lambda: SamplingBuffer(
             config,
             num_prompts=num_prompts,
             num_shards=num_shards,
@@ -74,21 +85,34 @@ class Buffer(Actor):
             total_steps=total_steps,
         )
         if resume_from is not None:
-            self.ledger.restore_from(resume_from / LEDGER_FILE)
-            self.core.load(resume_from / STATE_FILE)
+            self.ledger.rewind(read_mark(resume_from), f"resumed from {resume_from}")
+        self.core = self._rebuild()
         self._changed = asyncio.Condition()
         self._trainer_wait_s = 0.0
         self._controller_wait_s = 0.0
         self._decisions: dict[str, int] = {}
         self._commit: asyncio.Task[None] | None = None
 
+    def _rebuild(self) -> SamplingBuffer:
+        """A sampling buffer in the state the ledger records (empty for a new run)."""
+        start = time.perf_counter()
+        core = self._new_core()
+        events = core.replay()
+        core.plan_seq = random.getrandbits(48)  # differs from every plan a controller saw
+        if events:
+            logger.warning(
+                "buffer: state rebuilt from %d ledger events in %.2f s (step %d, version %d)",
+                events, time.perf_counter() - start, core.step, core.version,
+            )  # fmt: skip
+        return core
+
     async def _durable(self) -> None:
         """Return once every decision made so far is committed. Handlers that decided in the
         same turn of the event loop share one commit (one fsync) before any of them replies."""
         if not self.ledger.pending:
             return
-        if self._commit is None:
-            self._commit = asyncio.get_running_loop().create_task(self._group_commit())
+        if self._commit is None:  # a failed commit closes the buffer: its memory is ahead of the ledger
+            self._commit = self.spawn(self._group_commit(), name="ledger commit")
         await asyncio.shield(self._commit)
 
     async def _group_commit(self) -> None:
@@ -121,7 +145,7 @@ class Buffer(Actor):
         async with self._changed:
             try:
                 await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.core.plan_seq > msg.after_seq), timeout=msg.wait_s
+                    self._changed.wait_for(lambda: self.core.plan_seq != msg.after_seq), timeout=msg.wait_s
                 )
             except asyncio.TimeoutError:
                 pass  # a long poll: answer with the unchanged plan
@@ -140,17 +164,37 @@ class Buffer(Actor):
                 f"trainer rank {msg.rank} runs with world size {msg.world_size}, the buffer with "
                 f"{self.core.world_size}; start every rank from the same config"
             )
+        self._check_request(msg)
         # A rank that asks for step k has finished fetching every wave before it, and so
         # have the others (step k-1 ended in a collective): those waves can go.
         for key in [k for k in self.core.ready if k[0] < msg.step]:
             self.core.release(*key)
         start = time.perf_counter()
         async with self._changed:
-            await self._changed.wait_for(lambda: self.core.take(msg.step, msg.index, msg.rank) is not None)
+            await self._changed.wait_for(
+                lambda: self.core.take(msg.step, msg.index, msg.rank) is not None or msg.step > self.core.step
+            )
         self._trainer_wait_s += time.perf_counter() - start
+        self._check_request(msg)  # (a rewind meanwhile)
         batch = self.core.take(msg.step, msg.index, msg.rank)
         assert batch is not None
         return batch
+
+    def _check_request(self, msg: MicroBatchRequest) -> None:
+        """A rank asks for step k only after every rank trained step k - 1, so k is at most
+        the step being assembled; anything else would wait for good."""
+        core = self.core
+        if not 0 <= msg.rank < core.world_size:
+            raise ProtocolError(f"MicroBatchRequest.rank={msg.rank}: the run has ranks 0..{core.world_size - 1}")
+        if not 0 <= msg.index < core.config.micro_batches_per_step:
+            raise ProtocolError(
+                f"MicroBatchRequest.index={msg.index}: a step has {core.config.micro_batches_per_step} micro-batches"
+            )
+        if not 0 <= msg.step <= core.step or (core.total_steps is not None and msg.step >= core.total_steps):
+            raise ProtocolError(
+                f"MicroBatchRequest.step={msg.step}: the buffer assembles step {core.step} of {core.total_steps}; "
+                "a rank asks only for a step every rank has reached"
+            )
 
     @handles(PolicyVersion)
     async def version(self, msg: PolicyVersion) -> Ack:
@@ -164,16 +208,33 @@ class Buffer(Actor):
         if msg.what == "stats":
             return Metrics(values=self.stats())
         if msg.what == "checkpoint":
-            directory = Path(msg.args["dir"])
+            directory = self._checkpoint_dir(msg)
             directory.mkdir(parents=True, exist_ok=True)
-            self.core.save(directory / STATE_FILE)
-            self.ledger.backup_to(directory / LEDGER_FILE)
+            tmp = directory / (MARK_FILE + ".tmp")
+            tmp.write_text(json.dumps({"ledger_mark": self.ledger.mark(), "step": self.core.step}))
+            tmp.replace(directory / MARK_FILE)
             return Ack(info={"dir": str(directory)})
+        if msg.what == "rewind":  # no dir: back to the start (no checkpoint yet)
+            start = self._checkpoint_dir(msg) if msg.args.get("dir") else None
+            mark = read_mark(start) if start is not None else 0
+            self.ledger.rewind(mark, f"trainer restarted from {start or 'the start'}")
+            self.core = self._rebuild()
+            await self._notify()
+            return Ack(info={"step": str(self.core.step)})
         if msg.what == "step_rewards":
             step = int(msg.args["step"])
             rewards = self.core.step_rewards.pop(step, [])
             return Metrics(values={"reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"), "groups": float(len(rewards))})
-        raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, step_rewards")
+        raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_rewards")
+
+    def _checkpoint_dir(self, msg: Query) -> Path:
+        """A checkpoint directory of this run: nothing a message says makes the buffer write
+        (or read) outside ``<run dir>/checkpoints``."""
+        root = (self.ledger.path.parent / "checkpoints").resolve()
+        directory = Path(msg.args.get("dir", "")).resolve()
+        if directory.parent != root:
+            raise ProtocolError(f"Query({msg.what!r}).args.dir={msg.args.get('dir')!r} is not a checkpoint of this run ({root}/<name>)")
+        return directory
 
     def stats(self) -> dict[str, float]:
         """Depth, acceptance, drops by reason and waiting times (the issue's ``stats()``)."""
@@ -185,6 +246,7 @@ class Buffer(Actor):
             "buffer/superseded": float(s.superseded),
             "buffer/duplicates": float(s.duplicates),
             "buffer/trained_groups": float(s.trained_groups),
+            "buffer/rolled_back": float(s.rolled_back),
             "buffer/acceptance_ema": self.core.ema,
             "buffer/step": float(self.core.step),
             "buffer/policy_version": float(self.core.version),
@@ -196,3 +258,12 @@ class Buffer(Actor):
 
     async def on_stop(self) -> None:
         self.ledger.close()
+
+
+def read_mark(checkpoint: Path) -> int:
+    """The ledger mark a checkpoint recorded (the last row the buffer had decided)."""
+    path = checkpoint / MARK_FILE
+    try:
+        return int(json.loads(path.read_text())["ledger_mark"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"checkpoint {checkpoint} has no readable buffer mark ({path}: {e}); resume from another one") from None

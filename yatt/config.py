@@ -345,6 +345,11 @@ class TrainerConfig:
         require(self.critic_lr > 0, "critic_lr", f"must be > 0 (got {self.critic_lr})")
         require(self.weight_bucket_mb > 0, "weight_bucket_mb", f"must be > 0 (got {self.weight_bucket_mb})")
         require(self.weight_sync_every >= 1, "weight_sync_every", f"must be >= 1 (got {self.weight_sync_every})")
+        require(
+            self.checkpoint_every >= 0,
+            "checkpoint_every",
+            f"must be >= 0 steps, 0 for a checkpoint only at the end (got {self.checkpoint_every})",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -374,6 +379,8 @@ class ControllerConfig:
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (got {self.top_p})")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1 (got {self.max_new_tokens})")
         require(self.max_attempts >= 1, "max_attempts", f"must be >= 1 (got {self.max_attempts})")
+        require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0 seconds (got {self.request_timeout_s})")
+        require(self.plan_wait_s > 0, "plan_wait_s", f"must be > 0 seconds (got {self.plan_wait_s})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,6 +75,9 @@ def load_prompts(config: DataConfig, tokenizer_path: str) -> list[Prompt]:
         examples = _reasoning_gym(config)
     else:
         examples = _table(config)
+    if not examples:
+        where = f"data.path = {config.path!r}" if config.path else f"data.source = {config.source!r}"
+        raise ConfigError(f"{where} yields no prompts; give a dataset with at least one row")
     ids = _tokenize(examples, config, tokenizer_path)
     prompts = []
     for index, (example, prompt_ids) in enumerate(zip(examples, ids, strict=True)):
@@ -173,14 +176,22 @@ def _data_files(config: DataConfig) -> list[str]:
 
 def _table(config: DataConfig) -> list[_Example]:
     """Rows of local jsonl/parquet files, read with Hugging Face datasets (no hub)."""
-    from datasets import load_dataset
+    from datasets import disable_progress_bars, load_dataset
     from datasets.exceptions import DatasetGenerationError
 
+    disable_progress_bars()  # a launcher's output stays its own lines
+
     files = _data_files(config)
+    if all(Path(f).stat().st_size == 0 for f in files):
+        raise ConfigError(f"data.path = {config.path!r} yields no prompts (empty); give a dataset with at least one row")
     try:
         table = load_dataset(
             "json" if config.source == "jsonl" else "parquet", data_files=files, split="train"
         )
+    except (StopIteration, ValueError) as e:  # datasets on files with no rows ("corresponds to no data")
+        if isinstance(e, ValueError) and "no data" not in str(e):
+            raise ConfigError(f"data.path = {config.path!r} cannot be read as {config.source}: {e}") from e
+        raise ConfigError(f"data.path = {config.path!r} yields no prompts; give a dataset with at least one row") from None
     except DatasetGenerationError as e:
         raise ConfigError(
             f"data.path = {config.path!r} cannot be read as {config.source}: {e.__cause__ or e}"

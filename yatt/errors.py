@@ -69,3 +69,15 @@ class ActorFailed(YattError):
 
 class Closed(YattError):
     """The actor, stream or queue is closed."""
+
+
+class StorageError(YattError):
+    """A durable write failed (disk full, I/O error): says which file and why."""
+
+
+def storage_error(path: object, error: BaseException) -> StorageError:
+    """A ``StorageError`` for a failed write to ``path``, in plain words when the disk is full."""
+    text = str(error)
+    if "full" in text.lower() or getattr(error, "errno", None) == 28:
+        return StorageError(f"no space left on device writing {path} ({text}); free space there, then resume")
+    return StorageError(f"cannot write {path} ({type(error).__name__}: {text})")

@@ -1,11 +1,19 @@
-"""The ledger: the one durable record of what happened to every group key.
+"""The ledger: the one durable record of what happened to every group key, and the
+buffer's source of truth.
 
 Exactly-once rests on it. Every decision of the buffer (accepted, filtered with the
 reason, stale-dropped, superseded, duplicate, trained at step k) is appended to an SQLite
 database in WAL mode with ``synchronous=FULL`` (an fsync per commit) *before* the decision
 is acknowledged, so a restarted process never forgets a group that a later training step
-already used. It is copied whole into each checkpoint (SQLite's online backup), so a
-resumed run continues from exactly the decisions the checkpoint had.
+already used. The buffer's inputs are in it too: every accepted or filtered group with
+its payload (the encoded ``ScoredGroup``), and every policy version the trainer published
+(``version`` rows). The buffer's decisions are a function of those inputs in order, so a
+restarted buffer rebuilds its whole state by replaying them (``events``).
+
+Rows are never rewritten. Going back to a checkpoint appends a ``rewind`` row that voids
+every row after the checkpoint's ``mark`` (the last row it saw): ``entries`` and
+``events`` show the run as it now stands, ``history`` everything that happened, the
+rolled-back steps included.
 
 An fsync costs ~10 ms on this machine's disk, once per commit. With ``group_commit`` the
 records since the last ``commit()`` share one transaction: the buffer decides every
@@ -21,8 +29,14 @@ from pathlib import Path
 from typing import Literal
 
 from protocols.messages import GroupKey
+from yatt.errors import storage_error
 
-Status = Literal["accepted", "filtered", "stale", "superseded", "duplicate", "trained"]
+Status = Literal[
+    "accepted", "filtered", "stale", "superseded", "duplicate", "trained", "rolled_back", "version", "rewind"
+]
+GROUP_STATUSES = ("accepted", "filtered", "stale", "superseded", "duplicate", "trained", "rolled_back")
+EVENT_STATUSES = ("accepted", "filtered", "rolled_back", "version", "rewind")
+NO_KEY = GroupKey(epoch=-1, shard=-1, prompt_index=-1, attempt=-1)  # version and rewind rows
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
@@ -35,7 +49,9 @@ CREATE TABLE IF NOT EXISTS decisions (
     reason TEXT NOT NULL,
     step INTEGER,
     policy_version INTEGER,
-    time REAL NOT NULL
+    time REAL NOT NULL,
+    payload BLOB,
+    mark INTEGER
 );
 CREATE INDEX IF NOT EXISTS by_key ON decisions (epoch, shard, prompt_index, attempt);
 """
@@ -50,6 +66,31 @@ class Entry:
     reason: str
     step: int | None
     policy_version: int | None
+    seq: int = 0
+    payload: bytes | None = None
+    mark: int | None = None
+
+
+_COLUMNS = "seq, epoch, shard, prompt_index, attempt, status, reason, step, policy_version, payload, mark"
+
+
+def _entry(r: tuple[object, ...]) -> Entry:
+    return Entry(
+        seq=r[0],  # type: ignore[arg-type]
+        key=GroupKey(epoch=r[1], shard=r[2], prompt_index=r[3], attempt=r[4]),  # type: ignore[arg-type]
+        status=r[5],  # type: ignore[arg-type]
+        reason=r[6],  # type: ignore[arg-type]
+        step=r[7],  # type: ignore[arg-type]
+        policy_version=r[8],  # type: ignore[arg-type]
+        payload=r[9],  # type: ignore[arg-type]
+        mark=r[10],  # type: ignore[arg-type]
+    )
+
+
+def live(rows: list[Entry]) -> list[Entry]:
+    """The rows not voided by a later ``rewind`` row (rewind rows themselves stay)."""
+    voided: list[tuple[int, int]] = [(r.mark or 0, r.seq) for r in rows if r.status == "rewind"]
+    return [r for r in rows if not any(mark < r.seq < seq for mark, seq in voided)]
 
 
 class Ledger:
@@ -72,15 +113,39 @@ class Ledger:
         *,
         step: int | None = None,
         policy_version: int | None = None,
+        payload: bytes | None = None,
+        mark: int | None = None,
     ) -> None:
-        """Append one decision; durable when this returns, or with ``group_commit`` at the next ``commit()``."""
-        if self.group_commit and not self._db.in_transaction:
-            self._db.execute("BEGIN")
-        self._db.execute(
-            "INSERT INTO decisions (epoch, shard, prompt_index, attempt, status, reason, step, policy_version, time)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key.epoch, key.shard, key.prompt_index, key.attempt, status, reason, step, policy_version, time.time()),
-        )
+        """Append one row; durable when this returns, or with ``group_commit`` at the next ``commit()``."""
+        try:
+            if self.group_commit and not self._db.in_transaction:
+                self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT INTO decisions (epoch, shard, prompt_index, attempt, status, reason, step, policy_version,"
+                " time, payload, mark) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.epoch, key.shard, key.prompt_index, key.attempt, status, reason, step, policy_version,
+                 time.time(), payload, mark),
+            )  # fmt: skip
+        except sqlite3.Error as e:
+            raise storage_error(self.path, e) from e
+
+    def version(self, version: int) -> None:
+        """The trainer published the weights of ``version`` (an input of the buffer's decisions)."""
+        self.record(NO_KEY, "version", policy_version=version)
+
+    def mark(self) -> int:
+        """The last row so far (committed first): what a checkpoint records to come back to."""
+        self.commit()
+        row = self._db.execute("SELECT MAX(seq) FROM decisions").fetchone()
+        return int(row[0] or 0)
+
+    def rewind(self, mark: int, reason: str) -> None:
+        """Void every row after ``mark`` (going back to a checkpoint); durable at once."""
+        self.record(NO_KEY, "rewind", reason, mark=mark)
+        self.commit()
+
+    def empty(self) -> bool:
+        return int(self._db.execute("SELECT COUNT(*) FROM decisions").fetchone()[0]) == 0
 
     @property
     def pending(self) -> bool:
@@ -90,44 +155,27 @@ class Ledger:
     def commit(self) -> None:
         """Make every record so far durable (one fsync); nothing to do without ``group_commit``."""
         if self._db.in_transaction:
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as e:  # what was not committed is not decided: the process must go
+                raise storage_error(self.path, e) from e
+
+    def history(self) -> list[Entry]:
+        """Every row in order, voided ones included (payloads left out)."""
+        rows = self._db.execute(f"SELECT {_COLUMNS.replace('payload', 'NULL')} FROM decisions ORDER BY seq").fetchall()
+        return [_entry(r) for r in rows]
 
     def entries(self, status: Status | None = None) -> list[Entry]:
-        """Every decision in the order it was made (optionally of one status)."""
-        query = "SELECT epoch, shard, prompt_index, attempt, status, reason, step, policy_version FROM decisions"
-        args: tuple[str, ...] = ()
-        if status is not None:
-            query += " WHERE status = ?"
-            args = (status,)
-        rows = self._db.execute(query + " ORDER BY seq", args).fetchall()
-        return [
-            Entry(
-                key=GroupKey(epoch=r[0], shard=r[1], prompt_index=r[2], attempt=r[3]),
-                status=r[4],
-                reason=r[5],
-                step=r[6],
-                policy_version=r[7],
-            )
-            for r in rows
-        ]
+        """The decisions on groups that stand (none a rewind voided), in the order they were
+        made; optionally of one status."""
+        rows = live(self.history())
+        return [r for r in rows if r.status in GROUP_STATUSES and (status is None or r.status == status)]
 
-    def backup_to(self, path: str | Path) -> None:
-        """Write a consistent copy of the whole ledger to ``path`` (for checkpoints)."""
-        self.commit()
-        target = sqlite3.connect(Path(path))
-        try:
-            self._db.backup(target)
-        finally:
-            target.close()
-
-    def restore_from(self, path: str | Path) -> None:
-        """Replace the ledger's contents with the copy at ``path`` (on resume)."""
-        self.commit()
-        source = sqlite3.connect(Path(path))
-        try:
-            source.backup(self._db)
-        finally:
-            source.close()
+    def events(self) -> list[Entry]:
+        """The buffer's inputs that stand, in order: the groups it decided on (accepted,
+        filtered, rolled back) with their payload, published versions and rewinds."""
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM decisions ORDER BY seq").fetchall()
+        return [r for r in live([_entry(r) for r in rows]) if r.status in EVENT_STATUSES]
 
     def close(self) -> None:
         self.commit()

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 from protocols.messages import Ack, Deregister, Heartbeat, Membership, Message, Query, Register, WorkerInfo
 from yatt.actor import Actor, Client, handles
@@ -30,6 +32,7 @@ from yatt.streams import Publisher, Subscriber
 from yatt.transport import Transport
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=Message)
 
 
 class Registry(Actor):
@@ -334,6 +337,26 @@ class Directory:
             raise RequestTimeout(
                 f"{self.name}: condition not met within {timeout} s; members at epoch {self.epoch}: {have}"
             ) from None
+
+    async def request(self, role: str, msg: Message, expect: type[R], *, timeout: float | None, within: float) -> R:
+        """Send an idempotent request to a live member of ``role``; when that member is lost
+        (it died, or is being restarted), wait for a live one and send again, for up to
+        ``within`` seconds in all. ``timeout``: the deadline of one try (``math.inf`` for a
+        long wait that only the member's heartbeats end)."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                if not any(self._clients[w.actor_id].alive for w in self.members(role)):
+                    await self.wait_until(
+                        lambda d: any(d._clients[w.actor_id].alive for w in d.members(role)),
+                        timeout=max(0.0, deadline - time.monotonic()),
+                    )
+                return await self.pick(role).request(msg, expect, timeout=timeout)
+            except (PeerLost, RequestTimeout, TransportError) as e:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("%s: %s request to the %s failed (%s); sending it again", self.name, type(msg).__name__, role, e)
+                await asyncio.sleep(self.transport.config.heartbeat_interval_s)
 
     async def close(self) -> None:
         """Stop listening and close every member's client and the registry's."""

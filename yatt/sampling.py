@@ -17,6 +17,10 @@ resumed run makes the same steps as an uninterrupted one::
                        1 / acceptance EMA (capped), and in on-policy mode (max_staleness
                        0) closed when a step is full until the trainer publishes the next
                        version; what was dispatched beyond the full step is superseded.
+
+The ledger holds this class's inputs (accepted and filtered groups with their payload,
+published versions) in the order they came, so ``replay`` rebuilds the whole state of a
+restarted buffer, and a checkpoint is only the ledger's ``mark``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import dataclasses
 import importlib
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -35,7 +38,7 @@ from protocols.codec import decode, encode
 from protocols.messages import GroupKey, MicroBatch, ScoredGroup
 from yatt.config import BufferConfig
 from yatt.errors import ConfigError, ProtocolError
-from yatt.ledger import Ledger
+from yatt.ledger import Ledger, Status
 
 Filter = Callable[[ScoredGroup], str]
 
@@ -93,23 +96,32 @@ def validate_group(group: ScoredGroup, group_size: int) -> None:
             raise ProtocolError(f"{where}: {name} holds NaN or inf ({getattr(group, name).tolist()})")
 
 
-_SCALARS = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "plan_seq")
+EMA_FLOOR = 1e-3
+"""The acceptance EMA never falls below this: one accepted group lifts it again."""
 
 
-def _frames(msg: ScoredGroup | MicroBatch) -> list[bytes]:
-    return [bytes(f) for f in encode(msg)]
+def pack(group: ScoredGroup) -> bytes:
+    """A group as the ledger stores it: its wire frames in one msgpack blob."""
+    return msgpack.packb([bytes(f) for f in encode(group)], use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def _group(frames: list[bytes]) -> ScoredGroup:
-    msg = decode(frames)
-    assert isinstance(msg, ScoredGroup)
+def unpack(payload: bytes) -> ScoredGroup:
+    msg = decode(msgpack.unpackb(payload, raw=False))
+    if not isinstance(msg, ScoredGroup):
+        raise ValueError(f"a ledger payload holds a {type(msg).__name__}, not a ScoredGroup")
     return msg
 
 
-def _micro(frames: list[bytes]) -> MicroBatch:
-    msg = decode(frames)
-    assert isinstance(msg, MicroBatch)
-    return msg
+class _Replaying:
+    """Stands in for the ledger while ``replay`` re-derives rows the ledger already has."""
+
+    pending = False
+
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def version(self, version: int) -> None:
+        pass
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,6 +134,7 @@ class Stats:
     superseded: int = 0
     duplicates: int = 0
     trained_groups: int = 0
+    rolled_back: int = 0
 
 
 class SamplingBuffer:
@@ -170,6 +183,8 @@ class SamplingBuffer:
         self.ready: dict[tuple[int, int], list[MicroBatch]] = {}  # (step, wave) -> one per rank
         self.step_rewards: dict[int, list[float]] = {}  # step -> rewards of every group it consumed
         self.stats = Stats()
+        self._replayed_version = 0  # while replaying: the last version the trainer published
+        self.version_ceiling: int | None = None  # after a rewind: newer versions were discarded
         self._update_window()
 
     # ------------------------------------------------------------ positions and keys
@@ -215,13 +230,25 @@ class SamplingBuffer:
             self.stats.superseded += 1
             self.ledger.record(key, "superseded", f"attempt {self.attempts.get(g, 0)} is current")
             return "superseded"
+        newest = int(group.policy_versions.max())
+        if self.version_ceiling is not None and newest > self.version_ceiling:
+            # Generated with weights of a step the run went back before: redo it.
+            self.attempts[g] = key.attempt + 1
+            self.stats.rolled_back += 1
+            payload = pack(group) if isinstance(self.ledger, Ledger) else None
+            self.ledger.record(
+                key, "rolled_back", f"policy version {newest} was rolled back to {self.version_ceiling}", payload=payload
+            )
+            self.plan_seq += 1
+            return "rolled_back"
         reason = self._filter_reason(group)
         version = int(group.policy_versions.min())
+        status: Status = "filtered" if reason else "accepted"
+        payload = pack(group) if isinstance(self.ledger, Ledger) else None
+        self.ledger.record(key, status, reason, policy_version=version, payload=payload)
         if reason:
-            self.ledger.record(key, "filtered", reason, policy_version=version)
             self.stats.filtered[reason] = self.stats.filtered.get(reason, 0) + 1
         else:
-            self.ledger.record(key, "accepted", policy_version=version)
             self.stats.accepted += 1
         self.decided[g] = (group, not reason)
         self._advance()
@@ -254,8 +281,15 @@ class SamplingBuffer:
     def publish_version(self, version: int) -> None:
         """The trainer published weights of ``version`` (after step version - 1)."""
         if version > self.version:
+            self.ledger.version(version)
             self.version = version
+            self.version_ceiling = None  # the restarted trainer is past the checkpoint
             self._advance()
+
+    def rewound(self) -> None:
+        """The run went back to a checkpoint (this state): until the trainer publishes a
+        newer version, a group from a newer policy was made with discarded weights."""
+        self.version_ceiling = self.version
 
     def take(self, step: int, index: int, rank: int) -> MicroBatch | None:
         """Rank ``rank``'s micro-batch ``index`` of ``step``, or None if not assembled yet."""
@@ -280,8 +314,9 @@ class SamplingBuffer:
                 self.ledger.record(group.group_key, "stale", f"version {version} for step {self.step}")
                 changed = True
                 continue
-            self.ema = self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted
-            self.step_rewards.setdefault(self.step, []).append(float(group.rewards.float().mean()))
+            self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
+            if self.step >= self._replayed_version:
+                self.step_rewards.setdefault(self.step, []).append(float(group.rewards.float().mean()))
             self.cursor += 1
             if accepted:
                 self.wave.append(group)
@@ -302,7 +337,8 @@ class SamplingBuffer:
         for group in self.wave:
             self.ledger.record(group.group_key, "trained", step=self.step, policy_version=int(group.policy_versions.min()))
         self.stats.trained_groups += len(self.wave)
-        self.ready[(self.step, self.wave_index)] = self._split(self.wave)
+        if self.step >= self._replayed_version:  # (a replay skips the steps trained already)
+            self.ready[(self.step, self.wave_index)] = self._split(self.wave)
         self.wave = []
         self.wave_index += 1
         if self.wave_index == self.config.micro_batches_per_step:
@@ -339,34 +375,49 @@ class SamplingBuffer:
             return True
         return False
 
-    # ------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------ the ledger as the source of truth
 
-    def save(self, path: Path) -> None:
-        """Write the whole state (pending groups, cursors, waves) next to a checkpoint."""
-        state = {
-            "scalars": {k: getattr(self, k) for k in _SCALARS},
-            "attempts": [[g, a] for g, a in self.attempts.items()],
-            "decided": [[g, accepted, _frames(group)] for g, (group, accepted) in self.decided.items()],
-            "wave": [_frames(group) for group in self.wave],
-            "ready": [[step, index, [_frames(mb) for mb in batches]] for (step, index), batches in self.ready.items()],
-            "step_rewards": [[k, v] for k, v in self.step_rewards.items()],
-            "stats": dataclasses.asdict(self.stats),
-        }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgpack.packb(state, use_bin_type=True))
-        tmp.replace(path)
+    def replay(self) -> int:
+        """Rebuild the state from the ledger's events (a fresh buffer, before any offer):
+        every accepted or filtered group and published version is fed again, in order,
+        through the same decisions. Returns the events replayed.
 
-    def load(self, path: Path) -> None:
-        """Restore what ``save`` wrote."""
-        state = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
-        for k, v in state["scalars"].items():
-            setattr(self, k, v)
-        self.attempts = {g: a for g, a in state["attempts"]}
-        self.decided = {g: (_group(frames), accepted) for g, accepted, frames in state["decided"]}
-        self.wave = [_group(frames) for frames in state["wave"]]
-        self.ready = {(step, index): [_micro(f) for f in batches] for step, index, batches in state["ready"]}
-        self.step_rewards = {k: v for k, v in state["step_rewards"]}
-        self.stats = Stats(**state["stats"])
+        Raises ``ConfigError`` when a group is decided otherwise than the ledger says (the
+        run's config or filter changed since). Micro-batches and rewards of the steps
+        before the last published version (trained by every rank) are not rebuilt.
+        """
+        ledger = self.ledger
+        events = ledger.events()
+        versions = [e.policy_version or 0 for e in events if e.status == "version"]
+        self._replayed_version = max(versions, default=0)
+        self.ledger = _Replaying()  # type: ignore[assignment]
+        try:
+            for e in events:
+                if e.status == "version":
+                    self.publish_version(e.policy_version or 0)
+                    continue
+                if e.status == "rewind":
+                    self.rewound()
+                    continue
+                assert e.payload is not None
+                decision = self.offer(unpack(e.payload))
+                if decision.split(":")[0] != e.status:
+                    raise ConfigError(
+                        f"ledger {ledger.path}: group {e.key.as_str()} was {e.status}, and is {decision!r} now; "
+                        "the buffer's config (filter, group_size, staleness) must not change across a restart"
+                    )
+        finally:
+            self.ledger = ledger
+            self._replayed_version = 0
+        self.stats = Stats()
+        for e in ledger.entries():
+            if e.status == "filtered":
+                self.stats.filtered[e.reason] = self.stats.filtered.get(e.reason, 0) + 1
+            else:
+                field = {"accepted": "accepted", "stale": "stale_dropped", "superseded": "superseded",
+                         "duplicate": "duplicates", "trained": "trained_groups", "rolled_back": "rolled_back"}[e.status]  # fmt: skip
+                setattr(self.stats, field, getattr(self.stats, field) + 1)
+        return len(events)
 
     # ------------------------------------------------------------ micro-batches
 

@@ -129,37 +129,51 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
 
 
 @pytest.mark.parametrize("layout", ["disaggregated", "partial"])
-def test_killed_controller_and_generator_lose_nothing(tmp_path: Path, layout: str) -> None:
+def test_killed_controller_generator_and_buffer_lose_nothing(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "kills"
     proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}")
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
     os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)
     wait_for(lambda: len(metrics(run_dir)) >= 8, 600)
     os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
+    wait_for(lambda: len(metrics(run_dir)) >= 12, 600)
+    os.kill(role_pid(run_dir, "buffer", 0, proc), signal.SIGKILL)
+    assert len(metrics(run_dir)) < 20, "the buffer was killed after the run was done"
     finish(proc, run_dir)
     assert len(metrics(run_dir)) == 20
     assert_exactly_once(run_dir, 20)
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
-    assert "controller-0 exited" in log and "generator-0 exited" in log
+    assert "controller-0 exited" in log and "generator-0 exited" in log and "buffer-0 exited" in log
+    # The restarted buffer carried on from the ledger, not from nothing.
+    assert "state rebuilt from" in (run_dir / "logs" / "buffer-0.log").read_text()
 
 
-def test_killed_colocated_rank_stops_the_run_and_resumes_losing_nothing(tmp_path: Path) -> None:
-    """A colocated trainer rank takes its engine with it: like any trainer rank's death the
-    run stops with the resume command, and resuming loses and repeats nothing."""
+def test_killed_colocated_rank_restarts_the_trainer_group_losing_nothing(tmp_path: Path) -> None:
+    """A colocated trainer rank takes its engine with it: the launcher restarts the group
+    from the last checkpoint without a person, the buffer rewinds to it, and the run ends
+    with every step trained once (the rolled-back steps stay in the ledger's history)."""
     run_dir = tmp_path / "colocated"
-    proc = launch(run_dir, "run.steps=30", "trainer.checkpoint_every=4", "placement.layout=colocated")
+    proc = launch(run_dir, "run.steps=16", "trainer.checkpoint_every=4", "placement.layout=colocated")
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
     os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)  # restarted, as in every layout
     wait_for(lambda: (run_dir / "checkpoints" / "step_4" / "done").exists(), 600)
-    wait_for(lambda: len(metrics(run_dir)) >= 5, 600)
+    wait_for(lambda: len(metrics(run_dir)) >= 6, 600)
     os.kill(role_pid(run_dir, "trainer", 1, proc), signal.SIGKILL)  # the rank serving generator-colocated-1
-    assert proc.wait(timeout=300) != 0
+    assert len(metrics(run_dir)) < 16, "the kill came after the run was done"
+    finish(proc, run_dir)
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
-    assert "controller-0 exited" in log and "trainer-1 exited" in log and "--resume" in log
-    assert len(metrics(run_dir)) < 30, "the kill came after the run was done"
-    finish(launch(run_dir, resume=run_dir), run_dir)
-    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(30))
-    assert_exactly_once(run_dir, 30)
+    assert "controller-0 exited" in log and "trainer-1 exited" in log
+    assert "restarting the trainer group from" in log and "incarnation 1" in log
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(16))
+    assert_exactly_once(run_dir, 16)
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        history = ledger.history()
+        assert [e.reason for e in history if e.status == "rewind"][0].startswith("trainer restarted from")
+        trained_ever = sum(e.status == "trained" for e in history)
+        assert trained_ever > len(ledger.entries("trained")), "no step was rolled back and trained again"
+    finally:
+        ledger.close()
 
 
 @pytest.mark.parametrize("layout", ["colocated", "partial", "disaggregated"])
@@ -171,11 +185,20 @@ def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
     proc = launch(run_dir, *overrides)
     wait_for(lambda: (run_dir / "checkpoints" / "step_4" / "done").exists(), 600)
     wait_for(lambda: len(metrics(run_dir)) >= 5 or proc.poll() is not None, 600)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, mid-step after the checkpoint
-    for line in subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout.splitlines():
-        if f"--run-dir {run_dir} " in line:
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert proc.poll() is None and len(metrics(run_dir)) < 8, "the run ended before the kill"
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher, as the OOM killer would: every role dies with it
+
+    def roles_left() -> list[str]:
+        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
+        return [line for line in out.splitlines() if f"--run-dir {run_dir} " in line and "launch.role" in line]
+
+    wait_for(lambda: not roles_left(), 30)
     finish(launch(run_dir, resume=run_dir), run_dir)
+    ledger = Ledger(run_dir / "ledger.db")
+    try:  # the resumed run went back to the checkpoint: it did not start over, nor carry on
+        assert [e.reason for e in ledger.history() if e.status == "rewind"] == [f"resumed from {run_dir}/checkpoints/step_4"]
+    finally:
+        ledger.close()
     expected, got = trained_keys(reference), trained_keys(run_dir)
     assert sorted(got) == list(range(8))
     for step in range(4, 8):

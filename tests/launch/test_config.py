@@ -46,3 +46,47 @@ def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.Captur
     bad.write_text("trainer: [1, 2]\n")
     assert main(["run", str(bad)]) == 2
     assert "trainer must be a mapping" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.checkpoint_every=-5", r"trainer\.checkpoint_every.*must be >= 0 steps"),
+        ("run.restart_limit=-1", r"run\.restart_limit.*must be >= 0"),
+        ("controller.request_timeout_s=-1", r"controller\.request_timeout_s.*must be > 0 seconds"),
+        ("run.stall_timeout_s=-3", r"run\.stall_timeout_s.*must be >= 0"),
+        ("run.host=0.0.0.0", r"run\.host.*must be a loopback address"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_before_anything_starts(
+    override: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["run", override, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, "one line, no traceback"
+    assert err.startswith("yatt: config error:")
+    import re
+
+    assert re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_dataset_and_a_reused_run_dir_are_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["run", "data.source=jsonl", f"data.path={empty}", "--run-dir", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "yields no prompts" in err, err
+    empty.write_text("\n")  # no rows, but not an empty file
+    assert main(["run", "data.source=jsonl", f"data.path={empty}", "--run-dir", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "yields no prompts" in err, err
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert main(["run", "--run-dir", str(used)]) == 2
+    err = capsys.readouterr().err
+    assert f"run dir {used} already holds a run; continue it with `python -m launch run --resume {used}`" in err
+    assert (used / "metrics.jsonl").read_text() == '{"step": 0}\n', "the old run was touched"

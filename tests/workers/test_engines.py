@@ -302,6 +302,27 @@ def test_update_weights_rejects_bad_updates(engine: Engine, reference: PreTraine
         engine.update_weights(list(state.items())[1:])
 
 
+def test_a_refused_update_leaves_the_old_weights(
+    engine: Engine, backend: str, reference: PreTrainedModel, second_model_dir: Path
+) -> None:
+    """All or nothing: valid new tensors followed by a bad one, a NaN, or a missing weight
+    change nothing."""
+    prompt, completion = PROMPTS[2], [5, 6, 7, 8]
+    before = engine.sequence_logprobs(prompt, completion)
+    new = list(load_reference(second_model_dir).state_dict().items())
+    name, tensor = new[-1]
+    poisoned = tensor.clone()
+    poisoned.view(-1)[0] = float("nan")
+    for update, match in [
+        ([*new[:-1], (name, tensor[:1])], "shape"),
+        ([*new[:-1], (name, poisoned)], "NaN"),
+        (new[:-1], "whole state dict"),
+    ]:
+        with pytest.raises(ProtocolError, match=match):
+            engine.update_weights(update)
+        assert max_diff(engine.sequence_logprobs(prompt, completion), before) < TOLERANCE[backend]
+
+
 def test_bad_requests_name_the_field(engine: Engine) -> None:
     with pytest.raises(ProtocolError, match=r"requests\[1\]\.sampling\.top_p"):
         engine.generate(

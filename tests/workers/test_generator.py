@@ -28,6 +28,7 @@ from workers.engines import make_engine
 from workers.generator import Generator
 from yatt.actor import Client
 from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
+from yatt.errors import RemoteError
 from yatt.transport import Transport
 
 
@@ -122,6 +123,34 @@ async def test_on_policy_request_waits_for_its_version(transport: Transport, tin
             reply = await asyncio.wait_for(waiting, 300)
             assert all(c.policy_version_min == 1 for c in reply.completions)
             assert (await client.request(Query(what="version"), Ack)).seq == 1
+
+
+async def test_a_restarted_trainer_groups_weights_replace_a_dead_ones(transport: Transport, tiny_model_dir: Path) -> None:
+    """After the trainer group went back to a checkpoint (incarnation 1, version 1), the
+    generator takes its weights over the dead group's version 3, and refuses the dead
+    group's late updates."""
+    config = GeneratorConfig()
+    engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    names = list(state)
+
+    def update(version: int, incarnation: int) -> WeightUpdate:
+        return WeightUpdate(
+            version=version, incarnation=incarnation, bucket_index=0, num_buckets=1,
+            names=names, tensors=[state[n] for n in names],
+        )  # fmt: skip
+
+    async with Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen:
+        async with Client(transport, gen.endpoint) as client:
+            assert (await client.request(update(3, 0), Ack)).info["status"] == "applied"
+            assert (await client.request(update(1, 0), Ack)).info["status"] == "already applied"
+            assert (await client.request(update(1, 1), Ack)).info["status"] == "applied"
+            assert gen.version == 1 and gen.incarnation == 1
+            with pytest.raises(RemoteError, match="incarnation=0: the trainer group of incarnation 1 replaced it"):
+                await client.request(update(4, 0), Ack)
+            assert gen.version == 1
+            reply = await client.request(request(0), Completions, timeout=300)
+            assert all(c.policy_version_min == 1 for c in reply.completions)
 
 
 SEQ_PROMPT = [1, 17, 42, 99, 250]

@@ -65,7 +65,7 @@ async def test_plans_stream_and_checkpoint(transport: Transport, tmp_path: Path)
         assert (mb.step, mb.index, mb.rank, mb.count) == (0, 0, 1, 2)
         assert not buffer.core.ready.get((0, 1)), "the second wave cannot exist yet"
         plan = await asyncio.wait_for(waiting, 30)
-        assert plan.plan_seq > plans[0].plan_seq
+        assert plan.plan_seq != plans[0].plan_seq
         for key in order[2:]:
             await client.request(make_group(key, 0), Ack)
         second = await client.request(MicroBatchRequest(step=0, rank=0, world_size=2, index=1), MicroBatch)
@@ -76,14 +76,40 @@ async def test_plans_stream_and_checkpoint(transport: Transport, tmp_path: Path)
         await client.request(PolicyVersion(version=1), Ack)
         reopened = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
         assert reopened.keys and reopened.min_policy_version == 1
-        await client.request(Query(what="checkpoint", args={"dir": str(tmp_path / "ckpt")}), Ack)
+        ckpt = tmp_path / "checkpoints" / "step_1"
+        await client.request(Query(what="checkpoint", args={"dir": str(ckpt)}), Ack)
+        # Nothing a message says makes the buffer write outside the run's checkpoints.
+        for where in (tmp_path / "elsewhere", tmp_path / "checkpoints" / ".." / "x", Path("/tmp")):
+            with pytest.raises(RemoteError, match="is not a checkpoint of this run"):
+                await client.request(Query(what="checkpoint", args={"dir": str(where)}), Ack)
+        assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "x").exists()
         stats = await client.request(Query(what="stats"), Metrics)
         assert stats.values["buffer/accepted"] == 4 and stats.values["buffer/trained_groups"] == 4
         rewards = await client.request(Query(what="step_rewards", args={"step": "0"}), Metrics)
         assert rewards.values["groups"] == 4
-    async with make(transport, tmp_path, "b", resume=tmp_path / "ckpt") as restored:
+        reopened_keys = [k for s in (0, 1) for k in buffer.core.plan(s)]
+        for key in reopened_keys[:2]:  # decisions after the checkpoint
+            await client.request(make_group(key, 1), Ack)
+        after = buffer.ledger.mark()
+    async with make(transport, tmp_path, resume=ckpt) as restored:  # the same ledger, rewound
         assert restored.core.step == 1 and restored.core.version == 1
-        assert len(restored.ledger.entries("trained")) == 4
+        assert len(restored.ledger.entries("trained")) == 4 and restored.ledger.entries("accepted")[-1].key == order[-1]
+        assert len(restored.ledger.history()) == after + 1  # nothing erased: a rewind row added
+    async with make(transport, tmp_path) as restarted:  # a restart replays the rewind too
+        assert restarted.core.step == 1 and len(restarted.ledger.entries("accepted")) == 4
+
+
+async def test_forged_requests_get_an_error_and_the_buffer_keeps_serving(transport: Transport, tmp_path: Path) -> None:
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        for request, field in [
+            (MicroBatchRequest(step=10**6, rank=0, world_size=2, index=0), "step=1000000"),
+            (MicroBatchRequest(step=0, rank=5, world_size=2, index=0), "rank=5"),
+            (MicroBatchRequest(step=0, rank=0, world_size=2, index=7), "index=7"),
+        ]:
+            with pytest.raises(RemoteError, match=f"MicroBatchRequest.{field}"):
+                await asyncio.wait_for(client.request(request, MicroBatch), 10)
+        plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        assert plan.keys
 
 
 async def test_mismatched_shards_and_world_size_are_named(transport: Transport, tmp_path: Path) -> None:

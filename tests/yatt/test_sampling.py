@@ -1,9 +1,11 @@
 """The buffer's decisions: in-order assembly, filtering, over-sampling, staleness,
-exactly-once, balanced micro-batches, and a save/load that continues identically."""
+exactly-once, balanced micro-batches, and a replay of the ledger that continues identically."""
 
 from __future__ import annotations
 
+import copy
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -163,17 +165,66 @@ def test_micro_batches_are_balanced_and_aligned(tmp_path: Path) -> None:
     assert abs(tokens[0] - tokens[1]) <= 4
 
 
-def test_save_and_load_continue_identically(tmp_path: Path) -> None:
+STATE = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "attempts", "stats", "version_ceiling")
+
+
+def state(buf: SamplingBuffer) -> dict[str, object]:
+    """What the buffer decided so far (the plan number aside: it restarts from a random base)."""
+    values: dict[str, object] = {name: copy.deepcopy(getattr(buf, name)) for name in STATE}
+    values["decided"] = {g: (group.group_key, accepted) for g, (group, accepted) in buf.decided.items()}
+    values["wave"] = [group.group_key for group in buf.wave]
+    values["ready"] = {k: [mb.group_keys for mb in v] for k, v in buf.ready.items()}
+    return values
+
+
+def test_replay_rebuilds_the_state_and_continues_identically(tmp_path: Path) -> None:
     reference = drive(make_buffer(tmp_path, "ref.db"), 6, None)
     buf = make_buffer(tmp_path, "run.db")
-    first = drive(buf, 3, None)
-    buf.save(tmp_path / "state.msgpack")
-    buf.ledger.backup_to(tmp_path / "ckpt.db")
-    resumed = make_buffer(tmp_path, "resumed.db")
-    resumed.ledger.restore_from(tmp_path / "ckpt.db")
-    resumed.load(tmp_path / "state.msgpack")
-    assert first + drive(resumed, 3, random.Random(2)) == reference
-    assert len(resumed.ledger.entries("trained")) == len(buf.ledger.entries("trained")) + 3 * 4
+    first = drive(buf, 3, random.Random(1))
+    planned = [k for s in (0, 1) for k in buf.plan(s)]
+    buf.offer(make_group(planned[0], buf.version))  # a decision past the last step
+    buf.offer(make_group(planned[0], buf.version))  # and a duplicate of it
+    buf.ledger.commit()
+    restarted = make_buffer(tmp_path, "run.db")  # a new process on the same ledger
+    assert restarted.replay() > 0
+    assert state(restarted) == state(buf)
+    assert first + drive(restarted, 3, random.Random(2)) == reference
+    assert len(restarted.ledger.entries("trained")) == 6 * 4
+
+
+def test_rewind_goes_back_to_the_mark_and_rolls_back_newer_groups(tmp_path: Path) -> None:
+    reference = drive(make_buffer(tmp_path, "ref.db"), 6, None)
+    buf = make_buffer(tmp_path, "run.db")
+    first = drive(buf, 3, random.Random(1))
+    mark, at_mark = buf.ledger.mark(), state(buf)
+    drive(buf, 2, random.Random(3))  # steps 3 and 4, then the trainer dies
+    buf.ledger.rewind(mark, "trainer restarted")
+    rewound = make_buffer(tmp_path, "run.db")
+    rewound.replay()
+    assert {**state(rewound), "version_ceiling": None} == at_mark and rewound.version_ceiling == 3
+    # A group made with the discarded weights of version 5 is redone, not trained.
+    key = [k for s in (0, 1) for k in rewound.plan(s)][0]
+    assert rewound.offer(make_group(key, 5)) == "rolled_back"
+    assert [k for s in (0, 1) for k in rewound.plan(s)][0] == GroupKey(**{**key.__dict__, "attempt": key.attempt + 1})
+    rewound.ledger.commit()
+    again = make_buffer(tmp_path, "run.db")  # a buffer restart after the rewind replays it too
+    again.replay()
+    assert state(again) == state(rewound)
+    def prompts(steps: list[list[str]]) -> list[list[str]]:  # (the redone group has a new attempt)
+        return [[key.rsplit("/", 1)[0] for key in step] for step in steps]
+
+    assert prompts(first + drive(again, 3, random.Random(2))) == prompts(reference)
+    trained = Counter(e.key for e in again.ledger.entries("trained"))
+    assert len(trained) == 6 * 4 and max(trained.values()) == 1, "a rolled-back step counted"
+    voided = [e for e in again.ledger.history() if e.status == "trained" and e.step in (3, 4)]
+    assert len(voided) == 2 * 2 * 4, "the history keeps the rolled-back steps"
+    assert again.version_ceiling is None  # the new trainer published version 4
+
+
+def test_replay_refuses_a_changed_config(tmp_path: Path) -> None:
+    drive(make_buffer(tmp_path, "run.db"), 2, None)
+    with pytest.raises(ConfigError, match="must not change across a restart"):
+        make_buffer(tmp_path, "run.db", filter="none").replay()
 
 
 def test_bad_shapes_are_config_errors(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ class WeightNames:
         self.groups = [tuple(names) for names in groups.values()]
 
     def check_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Raise ``ProtocolError`` unless ``name`` is a weight of this shape."""
+        """Raise ``ProtocolError`` unless ``name`` is a weight of this shape, all finite."""
         shape = self.shapes.get(name)
         if shape is None:
             example = next(iter(self.shapes), "")
@@ -174,6 +174,8 @@ class WeightNames:
             raise ProtocolError(
                 f"weight update {name!r} has shape {tuple(tensor.shape)}, the model's is {shape}"
             )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ProtocolError(f"weight update {name!r} holds NaN or inf; the engine keeps its weights")
 
     def check_complete(self, sent: Iterable[str]) -> None:
         """Raise ``ProtocolError`` if some weight got no tensor."""

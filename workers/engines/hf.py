@@ -224,17 +224,20 @@ class HFEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every tensor into the model in place (any dtype or device: ``copy_`` converts).
 
-        A bad name or shape raises before that tensor is copied; a missing tensor raises at
-        the end, with the model partly updated, so the caller must resend the whole update.
+        All or nothing: every name, shape and value is checked (a bad name or shape, a
+        missing weight, NaN or inf raise ``ProtocolError``) before the first copy, so a
+        refused update leaves the model on its old weights.
         """
         model = self._live_model()
         params = model.state_dict()
-        sent: list[str] = []
+        update: list[tuple[str, torch.Tensor]] = []
         for name, tensor in named_tensors:
             self._names.check_tensor(name, tensor)
-            params[name].copy_(tensor)
-            sent.append(name)
-        self._names.check_complete(sent)
+            update.append((name, tensor))
+        self._names.check_complete([name for name, _ in update])
+        with torch.no_grad():
+            for name, tensor in update:
+                params[name].copy_(tensor)
 
     @torch.no_grad()
     def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:

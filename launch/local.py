@@ -38,13 +38,24 @@ from launch.config import RunConfig, dump_run_config
 from launch.placement import describe, make_plan, write_plan
 from launch.plan import this_machine
 from protocols.messages import Ack, Query
-from yatt.errors import ActorFailed, ConfigError, PeerLost, RemoteError, RequestTimeout, TransportError
+from yatt.errors import (
+    RUN_STOPPED_EXIT,
+    ActorFailed,
+    ConfigError,
+    PeerLost,
+    RemoteError,
+    RequestTimeout,
+    TransportError,
+)
 from yatt.placement.plan import Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport
 
 RESTARTABLE = ("controller", "generator", "reward", "buffer")
 GRACE_S = 15.0
+HUNG_S = 10.0
+"""A role process the registry dropped (silent past its heartbeat limit) but still alive
+after this long is hung (SIGSTOP, a deadlock): it is killed, then restarted as if it died."""
 RUN_FILES = ("metrics.jsonl", "ledger.db")
 """What marks a run dir as holding a run (with a complete checkpoint): reusing it needs --resume."""
 
@@ -59,6 +70,8 @@ class Proc:
     log: Path
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
+    registered: bool = False  # seen in the directory (its pid)
+    missing_since: float | None = None  # dropped from the directory (silent) while alive
 
     @property
     def name(self) -> str:
@@ -356,6 +369,7 @@ class LocalLauncher:
                         f"no step for {stall:.0f} s (run.stall_timeout_s); the run stops. Every role:\n"
                         + self.roles_report()
                     )
+                self._kill_hung(directory)
                 for i, p in enumerate(self.procs):
                     code = p.popen.poll()
                     if code is None:
@@ -363,6 +377,8 @@ class LocalLauncher:
                     if p.role == "trainer" and p.index == 0 and code == 0:
                         progress.update()
                         return 0
+                    if code == RUN_STOPPED_EXIT:
+                        raise ActorFailed(f"{p.name} stopped the run. {log_tail(p.log, 1).removeprefix('yatt: ')}")
                     if p.role in RESTARTABLE:
                         if p.restarts >= self.cfg.run.restart_limit:
                             raise ActorFailed(
@@ -390,6 +406,23 @@ class LocalLauncher:
             return 130
         finally:
             progress.close()
+
+    def _kill_hung(self, directory: Directory) -> None:
+        """SIGKILL a role process that stopped answering: the registry dropped it, its peers
+        re-issued its work; killed, it cannot wake up and answer late (a second buffer)."""
+        pids = {w.meta.get("pid") for w in directory.members()}
+        now = time.monotonic()
+        for p in self.procs:
+            if p.popen.poll() is not None:
+                continue
+            if str(p.popen.pid) in pids:
+                p.registered, p.missing_since = True, None
+            elif p.registered:
+                p.missing_since = p.missing_since or now
+                if now - p.missing_since > HUNG_S:
+                    print(f"yatt: {p.name} stopped answering (dropped from the registry {HUNG_S:.0f} s ago); killing it", file=sys.stderr, flush=True)
+                    _signal_group(p.popen, signal.SIGKILL)
+                    p.popen.wait()
 
     async def _restart_trainers(self, directory: Directory) -> None:
         """The trainer group again, from the last complete checkpoint (or the start): stop

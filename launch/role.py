@@ -23,6 +23,7 @@ from launch.config import RunConfig, load_run_config
 from launch.placement import assignment_for, pin, read_plan
 from yatt import trace
 from yatt.actor import Actor
+from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
 from yatt.registry import Directory, Registration
 from yatt.transport import Transport
 
@@ -188,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         async with Transport(cfg.transport) as transport:
             await _MAINS[args.role](cfg, args, transport, stop)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ActorFailed as e:
+        if isinstance(e.__cause__, RunStopped):  # not a crash: say why, and that a restart won't help
+            print(f"yatt: the run cannot go on: {e.__cause__}", file=sys.stderr, flush=True)
+            return RUN_STOPPED_EXIT
+        raise
     return 0
 
 

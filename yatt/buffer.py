@@ -45,7 +45,7 @@ from protocols.messages import (
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import BufferConfig
-from yatt.errors import ConfigError, ProtocolError
+from yatt.errors import ConfigError, ProtocolError, RunStopped
 from yatt.ledger import Ledger
 from yatt.sampling import SamplingBuffer
 from yatt.transport import Transport
@@ -132,7 +132,12 @@ class Buffer(Actor):
         self._decisions[decision] = self._decisions.get(decision, 0) + 1
         await self._durable()  # the ledger has it before anyone hears of it
         await self._notify()
+        if self.core.stalled:
+            self.spawn(self._stop_run(self.core.stalled), name="stalled")
         return Ack(info={"decision": decision})
+
+    async def _stop_run(self, why: str) -> None:
+        raise RunStopped(why)
 
     @handles(PlanRequest)
     async def plan(self, msg: PlanRequest) -> DispatchPlan:

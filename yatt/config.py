@@ -407,8 +407,21 @@ class BufferConfig:
     """Smoothing of the measured acceptance rate (EMA weight of the past)."""
     pad_token_id: int = 0
     """Token id used to right-pad micro-batches (masked out everywhere)."""
+    max_filtered_batches: int = 10
+    """The bound on dynamic sampling (verl's max_num_gen_batches): when this many steps' worth
+    of groups (groups_per_step each) in a row are all filtered, the buffer acts as on_stall
+    says (warning at half the bound); 0: no bound."""
+    on_stall: Literal["error", "train"] = "error"
+    """At the bound: stop the run with the filter reasons, the reward statistics and what to
+    change (error), or train on the filtered groups until one is accepted again (train;
+    all-equal groups carry zero advantages, so only the KL and entropy terms act)."""
 
     def __post_init__(self) -> None:
+        require(
+            self.max_filtered_batches >= 0,
+            "max_filtered_batches",
+            f"must be >= 0, 0 for no bound (got {self.max_filtered_batches})",
+        )
         require(self.groups_per_step >= 1, "groups_per_step", f"must be >= 1 (got {self.groups_per_step})")
         require(self.group_size >= 1, "group_size", f"must be >= 1 (got {self.group_size})")
         require(self.max_staleness >= 0, "max_staleness", f"must be >= 0 (got {self.max_staleness})")

@@ -81,3 +81,12 @@ def storage_error(path: object, error: BaseException) -> StorageError:
     if "full" in text.lower() or getattr(error, "errno", None) == 28:
         return StorageError(f"no space left on device writing {path} ({text}); free space there, then resume")
     return StorageError(f"cannot write {path} ({type(error).__name__}: {text})")
+
+
+class RunStopped(YattError):
+    """A role found that the run cannot go on, and a restart would not help (dynamic sampling
+    that accepts nothing): the role exits with ``RUN_STOPPED_EXIT``, the launcher stops the
+    run with this message."""
+
+
+RUN_STOPPED_EXIT = 3

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import math
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ from yatt.errors import ConfigError, ProtocolError
 from yatt.ledger import Ledger, Status
 
 Filter = Callable[[ScoredGroup], str]
+logger = logging.getLogger(__name__)
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
@@ -185,6 +187,9 @@ class SamplingBuffer:
         self.stats = Stats()
         self._replayed_version = 0  # while replaying: the last version the trainer published
         self.version_ceiling: int | None = None  # after a rewind: newer versions were discarded
+        self._reasons: dict[int, str] = {}  # g -> why a decided group was filtered
+        self.filtered_run: list[tuple[str, float]] = []  # (reason, mean reward) since the last accepted group
+        self.stalled = ""  # set at the bound on dynamic sampling (on_stall=error): why the run cannot go on
         self._update_window()
 
     # ------------------------------------------------------------ positions and keys
@@ -251,6 +256,8 @@ class SamplingBuffer:
         else:
             self.stats.accepted += 1
         self.decided[g] = (group, not reason)
+        if reason:
+            self._reasons[g] = reason
         self._advance()
         return "accepted" if not reason else f"filtered: {reason}"
 
@@ -314,6 +321,10 @@ class SamplingBuffer:
                 self.ledger.record(group.group_key, "stale", f"version {version} for step {self.step}")
                 changed = True
                 continue
+            if not accepted:
+                accepted = self._past_the_bound(group, self._reasons.pop(g, "filtered"))
+            else:
+                self.filtered_run = []
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
             if self.step >= self._replayed_version:
                 self.step_rewards.setdefault(self.step, []).append(float(group.rewards.float().mean()))
@@ -326,6 +337,38 @@ class SamplingBuffer:
             self._update_window()
         if self._update_window() or changed:
             self.plan_seq += 1
+
+    def _past_the_bound(self, group: ScoredGroup, reason: str) -> bool:
+        """Count a filtered group; True if it is to be trained anyway (on_stall=train)."""
+        bound = self.config.max_filtered_batches * self.config.groups_per_step
+        self.filtered_run.append((reason, float(group.rewards.float().mean())))
+        run = len(self.filtered_run)
+        if not bound or run < bound // 2:
+            return False
+        if (run == bound // 2 or run == bound) and isinstance(self.ledger, Ledger):  # (not again in a replay)
+            logger.warning("buffer: %s", self.stall_report(bound))
+        if run < bound:
+            return False
+        if self.config.on_stall == "train":
+            return True
+        self.stalled = self.stalled or self.stall_report(bound)
+        return False
+
+    def stall_report(self, bound: int) -> str:
+        """Why dynamic sampling accepts nothing, in a user's terms, and what to change."""
+        run = self.filtered_run
+        reasons: dict[str, int] = {}
+        for reason, _ in run:
+            reasons[reason] = reasons.get(reason, 0) + 1
+        means = torch.tensor([m for _, m in run])
+        return (
+            f"dynamic sampling accepted none of the last {len(run)} groups (bound: buffer.max_filtered_batches="
+            f"{self.config.max_filtered_batches} x groups_per_step={self.config.groups_per_step} = {bound}); "
+            f"filtered as {', '.join(f'{r!r}: {n}' for r, n in sorted(reasons.items()))}; group mean rewards: "
+            f"min {float(means.min()):.3g}, mean {float(means.mean()):.3g}, max {float(means.max()):.3g}. Every sample of a group gets the same reward, so there is nothing to learn "
+            "from: make the task easier (or harder, if every prompt is solved), raise buffer.group_size, use "
+            "a reward with partial credit, set buffer.filter=none, or buffer.on_stall=train"
+        )
 
     def _may_assemble(self) -> bool:
         if self.total_steps is not None and self.step >= self.total_steps:

@@ -17,8 +17,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
-from launch.config import load_run_config
+from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
 from yatt.data import DEFAULT_GENERATED
 from yatt.ledger import Ledger
@@ -137,13 +138,16 @@ def test_killed_controller_generator_and_buffer_lose_nothing(tmp_path: Path, lay
     wait_for(lambda: len(metrics(run_dir)) >= 8, 600)
     os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
     wait_for(lambda: len(metrics(run_dir)) >= 12, 600)
-    os.kill(role_pid(run_dir, "buffer", 0, proc), signal.SIGKILL)
+    # Disaggregated: the buffer dies. Partial: it hangs (SIGSTOP); the launcher kills it.
+    os.kill(role_pid(run_dir, "buffer", 0, proc), signal.SIGKILL if layout == "disaggregated" else signal.SIGSTOP)
     assert len(metrics(run_dir)) < 20, "the buffer was killed after the run was done"
     finish(proc, run_dir)
     assert len(metrics(run_dir)) == 20
     assert_exactly_once(run_dir, 20)
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
     assert "controller-0 exited" in log and "generator-0 exited" in log and "buffer-0 exited" in log
+    if layout == "partial":
+        assert "buffer-0 stopped answering" in log
     # The restarted buffer carried on from the ledger, not from nothing.
     assert "state rebuilt from" in (run_dir / "logs" / "buffer-0.log").read_text()
 
@@ -217,3 +221,20 @@ def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
     finally:
         ledger.close()
     assert max(r["staleness/mean"] for r in metrics(run_dir)) <= 2
+
+
+def test_a_task_never_solved_stops_with_the_filter_and_what_to_change(tmp_path: Path) -> None:
+    """Dynamic sampling has a bound: a reward that is always 0 stops the run with the filter,
+    the rewards and the fix, instead of waiting for good."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["reward"]["scorers"] = [{"kind": "custom", "name": "never", "function": "tests.workers.scorer_fixtures:never_solved"}]
+    config["buffer"]["max_filtered_batches"] = 2
+    path = tmp_path / "never.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "never"
+    proc = launch(run_dir, str(path))
+    assert proc.wait(timeout=600) == 1
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    assert "buffer-0 stopped the run" in log and "accepted none of the last 16 groups" in log, log[-3000:]
+    assert "'all rewards equal': 16" in log and "buffer.filter=none" in log
+    assert not (run_dir / "metrics.jsonl").exists(), "a step was trained"

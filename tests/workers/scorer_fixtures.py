@@ -54,3 +54,8 @@ def return_text(prompt: str, completion: str, metadata: dict[str, str]) -> str:
 def return_nan(prompt: str, completion: str, metadata: dict[str, str]) -> float:
     """Returns NaN, which the mix must not let into a reward."""
     return float("nan")
+
+
+def never_solved(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    """A task the model never solves: every group's rewards are equal (all 0)."""
+    return 0.0

@@ -241,3 +241,33 @@ def test_nothing_is_dispatched_or_assembled_past_the_last_step(tmp_path: Path) -
     buf.publish_version(2)
     assert buf.step == 2 and [k for s in (0, 1) for k in buf.plan(s)] == []
     assert {e.step for e in buf.ledger.entries("trained")} == {0, 1}
+
+
+def offer_planned(buf: SamplingBuffer, equal: bool) -> None:
+    for key in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(key, buf.version, equal=equal))
+
+
+def test_dynamic_sampling_that_accepts_nothing_stops_with_what_to_change(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, max_filtered_batches=2)  # 2 x 4 groups
+    for _ in range(20):
+        offer_planned(buf, equal=True)
+        if buf.stalled:
+            break
+    assert len(buf.filtered_run) >= 8 and buf.step == 0
+    assert "accepted none of the last 8 groups" in buf.stalled
+    assert "'all rewards equal': 8" in buf.stalled and "buffer.filter=none" in buf.stalled
+    assert buf.ema >= 1e-3  # the floor: one accepted group lifts it again
+    assert not buf.plan(0) or buf.dispatch_end - buf.cursor <= 4 * buf.config.max_oversample + 4
+
+
+def test_on_stall_train_trains_on_the_filtered_groups_until_one_is_accepted(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, max_filtered_batches=1, on_stall="train")  # bound: 4 groups
+    while buf.step == 0:
+        offer_planned(buf, equal=True)
+    assert not buf.stalled and buf.stats.accepted == 0
+    trained = [k for mb in buf.ready[(0, 0)] + buf.ready[(0, 1)] for k in mb.group_keys]
+    assert len(set(trained)) == 4, "step 0 was not made of the filtered groups past the bound"
+    buf.publish_version(1)
+    offer_planned(buf, equal=False)
+    assert buf.filtered_run == [] and buf.stats.accepted > 0

@@ -11,6 +11,8 @@ Patterns (the receiving end in a child process for both columns):
   tensor through a stream (zero-copy frames, acked); raw: PUSH of a header frame plus the
   payload frame with ``copy=False``.
 - the memcpy ceiling of this machine; Ray actor calls when ``ray`` is installed.
+- authentication: the yatt patterns again with CURVE on both ends (as every launched run
+  has by default: ``run.authenticate``), and their ratio to the plain ones.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import multiprocessing as mp
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,7 +31,7 @@ from benchmarks.harness import Result
 from protocols.messages import Ack, Message, Query, WeightUpdate
 from yatt.actor import Actor, Client, handles
 from yatt.streams import StreamSender
-from yatt.transport import Transport, TransportConfig
+from yatt.transport import Transport, TransportConfig, make_curve_keys
 
 SMALL_TEXT = "x" * 84  # the encoded Query header is then 100 bytes
 
@@ -50,9 +54,14 @@ class _Sink(Actor):
         return Ack(seq=len(msg.what))
 
 
-def _serve(endpoint: str, ready: mp.Queue) -> None:  # type: ignore[type-arg]
+def _config(keys: str) -> TransportConfig:
+    """Plain, or CURVE with the keys in ``keys``."""
+    return TransportConfig(hwm=0, curve=bool(keys), curve_keys_dir=keys)
+
+
+def _serve(endpoint: str, ready: mp.Queue, keys: str) -> None:  # type: ignore[type-arg]
     async def main() -> None:
-        async with Transport(TransportConfig(hwm=0)) as transport:
+        async with Transport(_config(keys)) as transport:
             actor = _Sink(transport, endpoint=endpoint)
             ready.put(await actor.start())
             await actor.wait_closed()
@@ -63,10 +72,13 @@ def _serve(endpoint: str, ready: mp.Queue) -> None:  # type: ignore[type-arg]
 class _Server:
     """A ``_Sink`` actor in a child process, for the lifetime of a ``with`` block."""
 
+    def __init__(self, keys: str = "") -> None:
+        self.keys = keys
+
     def __enter__(self) -> str:
         ctx = mp.get_context("spawn")
         ready: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-        self.proc = ctx.Process(target=_serve, args=("tcp://127.0.0.1:*", ready), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=("tcp://127.0.0.1:*", ready, self.keys), daemon=True)
         self.proc.start()
         self.endpoint = str(ready.get(timeout=60))
         return self.endpoint
@@ -80,8 +92,8 @@ def _small_message() -> Query:
     return Query(what=SMALL_TEXT)
 
 
-async def _yatt_rpc(endpoint: str, in_flight: int, count: int) -> float:
-    async with Transport(TransportConfig(hwm=0)) as transport:
+async def _yatt_rpc(endpoint: str, in_flight: int, count: int, keys: str = "") -> float:
+    async with Transport(_config(keys)) as transport:
         async with Client(transport, endpoint) as client:
             msg = _small_message()
             await client.request(msg, Ack)
@@ -95,9 +107,9 @@ async def _yatt_rpc(endpoint: str, in_flight: int, count: int) -> float:
             return (count // in_flight) * in_flight / (time.perf_counter() - start)
 
 
-async def _yatt_stream(endpoint: str, item: Message, count: int) -> float:
+async def _yatt_stream(endpoint: str, item: Message, count: int, keys: str = "") -> float:
     """Seconds to stream ``count`` items and have every one acknowledged."""
-    async with Transport(TransportConfig(hwm=0)) as transport:
+    async with Transport(_config(keys)) as transport:
         sender = StreamSender(transport, endpoint, credit=64)
         await sender.send(item)
         await sender.flush()
@@ -142,15 +154,25 @@ def run(*, quick: bool = False) -> Result:
     small_n, rpc_n, mib_n, big_n = 20_000 // scale, 5_000 // scale, 200 // scale, 30 // scale
     result = Result()
     f, r = result.figures, result.ratios
-    with _Server() as endpoint:
-        small = _small_message()
-        seconds = asyncio.run(_yatt_stream(endpoint, small, small_n))
-        f["small_msgs_per_s_yatt"] = small_n / seconds
-        f["rpc_round_trips_per_s_yatt_1_in_flight"] = asyncio.run(_yatt_rpc(endpoint, 1, rpc_n))
-        f["rpc_round_trips_per_s_yatt_64_in_flight"] = asyncio.run(_yatt_rpc(endpoint, 64, rpc_n * 4))
-        for label, nbytes, n in (("1MiB", 1 << 20, mib_n), ("16MiB", 16 << 20, big_n)):
-            seconds = asyncio.run(_yatt_stream(endpoint, _tensor_item(nbytes), n))
-            f[f"batch_{label}_MB_per_s_yatt"] = nbytes * n / seconds / 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = str(make_curve_keys(Path(tmp) / "keys"))
+        for suffix, key_dir in (("", ""), ("_curve", keys)):  # plain, then authenticated + encrypted
+            with _Server(key_dir) as endpoint:
+                small = _small_message()
+                seconds = asyncio.run(_yatt_stream(endpoint, small, small_n, key_dir))
+                f[f"small_msgs_per_s_yatt{suffix}"] = small_n / seconds
+                f[f"rpc_round_trips_per_s_yatt{suffix}_1_in_flight"] = asyncio.run(_yatt_rpc(endpoint, 1, rpc_n, key_dir))
+                f[f"rpc_round_trips_per_s_yatt{suffix}_64_in_flight"] = asyncio.run(
+                    _yatt_rpc(endpoint, 64, rpc_n * 4, key_dir)
+                )
+                for label, nbytes, n in (("1MiB", 1 << 20, mib_n), ("16MiB", 16 << 20, big_n)):
+                    seconds = asyncio.run(_yatt_stream(endpoint, _tensor_item(nbytes), n, key_dir))
+                    f[f"batch_{label}_MB_per_s_yatt{suffix}"] = nbytes * n / seconds / 1e6
+    for name in ("small_msgs_per_s", "rpc_round_trips_per_s_yatt_1_in_flight", "rpc_round_trips_per_s_yatt_64_in_flight",
+                 "batch_1MiB_MB_per_s", "batch_16MiB_MB_per_s"):  # fmt: skip
+        plain = name if name.startswith("rpc") else f"{name}_yatt"
+        curve = plain.replace("_yatt", "_yatt_curve")
+        r[f"curve_vs_plain_{plain.removesuffix('_yatt').replace('_per_s', '')}"] = f[curve] / f[plain]
     f["small_msgs_per_s_raw_zmq"] = small_n / raw.push_throughput(raw.endpoint(), raw.endpoint(), [raw.SMALL], small_n)
     f["rpc_round_trips_per_s_raw_zmq_1_in_flight"] = raw.rpc_round_trips(raw.endpoint(), 1, rpc_n)
     f["rpc_round_trips_per_s_raw_zmq_64_in_flight"] = raw.rpc_round_trips(raw.endpoint(), 64, rpc_n * 4)

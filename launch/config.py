@@ -51,6 +51,11 @@ class RunSettings:
     """How long the launcher waits for every role to report READY."""
     restart_limit: int = 5
     """Restarts of one role process (of the trainer group as a whole) before the run fails."""
+    authenticate: bool = True
+    """Authenticate and encrypt every socket of the run with CURVE keys the launcher makes in
+    <run_dir>/keys (readable by this user only), loopback included: a process without them
+    reaches no handler. Off: any local process can talk to the run (see benchmarks/README.md
+    for what CURVE costs). An explicit transport.curve with its own keys is kept."""
     stall_timeout_s: float = 1800.0
     """No new step for this long after READY stops the run, with every role's state and log
     tail (a hang is never silent); 0: wait for good."""

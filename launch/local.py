@@ -24,6 +24,7 @@ The progress bar follows ``metrics.jsonl``, which trainer rank 0 writes once per
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -49,7 +50,7 @@ from yatt.errors import (
 )
 from yatt.placement.plan import Plan
 from yatt.registry import Directory, Registry
-from yatt.transport import Transport
+from yatt.transport import Transport, make_curve_keys
 
 RESTARTABLE = ("controller", "generator", "reward", "buffer")
 GRACE_S = 15.0
@@ -105,6 +106,17 @@ def check_run_dir(run_dir: Path, resume: Path | None) -> None:
             f"run dir {run_dir} already holds a run; continue it with `python -m launch run --resume {run_dir}`, "
             "or give another --run-dir"
         )
+
+
+def with_run_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """``cfg`` with CURVE on every socket, keys in ``<run_dir>/keys`` (made once per run;
+    a resumed run keeps its own) unless ``run.authenticate`` is off or transport.curve is set."""
+    if not cfg.run.authenticate or cfg.transport.curve:
+        return cfg
+    keys = run_dir / "keys"
+    if not (keys / "server.key_secret").exists():
+        make_curve_keys(keys)
+    return dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, curve=True, curve_keys_dir=str(keys)))
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:
@@ -269,6 +281,7 @@ class LocalLauncher:
         await asyncio.to_thread(load_prompts, self.cfg.data, str(self.model_path))
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, checkpoint_step(self.resume))
+        self.cfg = with_run_keys(self.cfg, self.run_dir)
         dump_run_config(self.cfg, self.run_dir / "config.yaml")
         self.plan = await asyncio.to_thread(self.make_plan)
 

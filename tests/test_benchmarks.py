@@ -104,6 +104,8 @@ def test_transport_quick_measures_every_pattern(tmp_path: Path) -> None:
         for side in ("yatt", "raw_zmq"):
             assert any(k.startswith(f"{pattern}_{side}") for k in figures), f"{pattern} {side}"
     assert {"batch_16MiB_vs_raw_zmq", "rpc_vs_raw_zmq", "small_msgs_vs_raw_zmq"} <= set(ratios)
+    curve = {k for k in ratios if k.startswith("curve_vs_plain_")}
+    assert len(curve) == 5, f"authentication's cost on each pattern: {curve}"
     for key, value in {**figures, **ratios}.items():
         assert math.isfinite(value) and value > 0, f"{key} = {value}"
     assert ratios["rpc_vs_raw_zmq"] == pytest.approx(

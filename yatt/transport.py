@@ -105,8 +105,11 @@ def make_curve_keys(directory: str | Path, *, authorize_client: bool = True) -> 
     """
     root = Path(directory)
     (root / "authorized").mkdir(parents=True, exist_ok=True)
-    zmq.auth.create_certificates(root, "server")
-    public, _ = zmq.auth.create_certificates(root, "client")
+    root.chmod(0o700)  # only this user may read the secrets
+    _, server_secret = zmq.auth.create_certificates(root, "server")
+    public, client_secret = zmq.auth.create_certificates(root, "client")
+    for secret in (server_secret, client_secret):
+        Path(secret).chmod(0o600)
     if authorize_client:
         shutil.copy(public, root / "authorized" / "client.key")
     return root

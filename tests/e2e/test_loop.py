@@ -87,10 +87,58 @@ def planned_layout(run_dir: Path) -> str:
     return str(json.loads((run_dir / "plan.json").read_text())["layout"])
 
 
+def replies_to_stats(endpoint: str, keys: Path | None, *, authorised: bool) -> bool:
+    """Whether a ``Query("stats")`` sent to ``endpoint`` gets any reply within 3 s: without
+    CURVE (keys None), or as a CURVE client with the run's server key and either the run's
+    client key (authorised) or a key of its own."""
+    import zmq
+    import zmq.auth
+
+    from protocols.codec import encode
+    from protocols.messages import Query
+    from yatt.actor import request_id
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if keys is not None:
+        sock.curve_serverkey = zmq.auth.load_certificate(keys / "server.key")[0]
+        if authorised:
+            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(keys / "client.key_secret")
+        else:
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([request_id(7), *(bytes(f) for f in encode(Query(what="stats")))])
+        return bool(sock.poll(3000))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def assert_only_the_runs_keys_reach_handlers(run_dir: Path, proc: subprocess.Popen[bytes]) -> None:
+    import psutil
+
+    buffer = psutil.Process(role_pid(run_dir, "buffer", 0, proc))
+    ports = [c.laddr.port for c in buffer.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert ports, "the buffer listens on no port"
+    keys = run_dir / "keys"
+    assert (keys / "client.key_secret").stat().st_mode & 0o077 == 0, "the run's secret key is readable by others"
+    for port in ports:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        assert not replies_to_stats(endpoint, None, authorised=False), "a client without CURVE got a reply"
+        assert not replies_to_stats(endpoint, keys, authorised=False), "a client with its own key got a reply"
+    assert any(replies_to_stats(f"tcp://127.0.0.1:{port}", keys, authorised=True) for port in ports)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "default"
-    finish(launch(run_dir, *layout_args(layout)), run_dir)
+    proc = launch(run_dir, *layout_args(layout))
+    if layout == "auto":  # while it runs: only the run's own processes can talk to it
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
+        assert_only_the_runs_keys_reach_handlers(run_dir, proc)
+    finish(proc, run_dir)
     rows = metrics(run_dir)
     assert_default_job_learned(rows, run_dir)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -20,6 +20,7 @@ from yatt.errors import ConfigError
 BENCHMARKS = {
     "controllers": "benchmarks.controllers",
     "e2e": "benchmarks.e2e",
+    "faults": "benchmarks.faults",
     "generation": "benchmarks.generation",
     "stages": "benchmarks.stages",
     "staleness": "benchmarks.staleness",

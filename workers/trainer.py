@@ -112,7 +112,7 @@ from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from yatt import rl_math, trace
 from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from yatt.errors import ConfigError, ProtocolError, YattError
+from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
 
 # The step's local sums, all-reduced together in one collective by reduce_gradients.
 _SUMS = (
@@ -643,7 +643,12 @@ class Trainer:
         self._between_steps("save_checkpoint")
         state = self._state()
         state[_rng_key(self.rank)] = _rng_state()
-        dcp_save(state, checkpoint_id=str(directory))
+        try:
+            dcp_save(state, checkpoint_id=str(directory))
+        except Exception as e:  # DCP wraps each rank's OSError (a full disk) in a CheckpointException
+            if isinstance(e, OSError) or "No space left" in str(e):
+                raise storage_error(directory, e) from e
+            raise
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore what ``save_checkpoint`` wrote; the world size may differ (DCP reshards),

@@ -23,11 +23,12 @@ base in every incarnation, so a controller's long poll returns at once after a r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from protocols.messages import (
@@ -45,7 +46,7 @@ from protocols.messages import (
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import BufferConfig
-from yatt.errors import ConfigError, ProtocolError, RunStopped
+from yatt.errors import ConfigError, ProtocolError, RunStopped, StorageError
 from yatt.ledger import Ledger
 from yatt.sampling import SamplingBuffer
 from yatt.transport import Transport
@@ -125,9 +126,22 @@ class Buffer(Actor):
         async with self._changed:
             self._changed.notify_all()
 
+    @contextlib.contextmanager
+    def _ledger_writes(self) -> Iterator[None]:
+        """A failed ledger write (a full disk) closes the buffer: its memory would run ahead
+        of the ledger. The launcher restarts it, and it replays what the ledger holds."""
+        try:
+            yield
+        except StorageError as e:
+            self.spawn(self._stop_with(e), name="ledger write")
+            raise
+
+    async def _stop_with(self, error: BaseException) -> None:
+        raise error
+
     @handles(ScoredGroup)
     async def offer(self, msg: ScoredGroup) -> Ack:
-        with trace.span("offer"):
+        with trace.span("offer"), self._ledger_writes():
             decision = self.core.offer(msg)
         self._decisions[decision] = self._decisions.get(decision, 0) + 1
         await self._durable()  # the ledger has it before anyone hears of it
@@ -203,7 +217,8 @@ class Buffer(Actor):
 
     @handles(PolicyVersion)
     async def version(self, msg: PolicyVersion) -> Ack:
-        self.core.publish_version(msg.version)
+        with self._ledger_writes():
+            self.core.publish_version(msg.version)
         await self._durable()
         await self._notify()
         return Ack(seq=msg.version)
@@ -216,13 +231,16 @@ class Buffer(Actor):
             directory = self._checkpoint_dir(msg)
             directory.mkdir(parents=True, exist_ok=True)
             tmp = directory / (MARK_FILE + ".tmp")
-            tmp.write_text(json.dumps({"ledger_mark": self.ledger.mark(), "step": self.core.step}))
+            with self._ledger_writes():
+                mark = self.ledger.mark()
+            tmp.write_text(json.dumps({"ledger_mark": mark, "step": self.core.step}))
             tmp.replace(directory / MARK_FILE)
             return Ack(info={"dir": str(directory)})
         if msg.what == "rewind":  # no dir: back to the start (no checkpoint yet)
             start = self._checkpoint_dir(msg) if msg.args.get("dir") else None
             mark = read_mark(start) if start is not None else 0
-            self.ledger.rewind(mark, f"trainer restarted from {start or 'the start'}")
+            with self._ledger_writes():
+                self.ledger.rewind(mark, f"trainer restarted from {start or 'the start'}")
             self.core = self._rebuild()
             await self._notify()
             return Ack(info={"step": str(self.core.step)})

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from protocols.messages import GroupKey
-from yatt.errors import storage_error
+from yatt.errors import StorageError, storage_error
 
 Status = Literal[
     "accepted", "filtered", "stale", "superseded", "duplicate", "trained", "rolled_back", "version", "rewind"
@@ -178,5 +178,10 @@ class Ledger:
         return [r for r in live([_entry(r) for r in rows]) if r.status in EVENT_STATUSES]
 
     def close(self) -> None:
-        self.commit()
-        self._db.close()
+        """Commit and close; what cannot be committed (a full disk) is rolled back."""
+        try:
+            self.commit()
+        except StorageError:
+            self._db.rollback()
+        finally:
+            self._db.close()

@@ -187,3 +187,25 @@ async def test_a_malformed_group_is_refused_by_name_before_the_ledger(
         # The buffer keeps serving, and the same key is accepted once well formed.
         reply = await client.request(make_group(key, 0, equal=False), Ack)
         assert reply.info["decision"] == "accepted"
+
+
+async def test_a_full_disk_closes_the_buffer_before_it_runs_ahead_of_its_ledger(transport: Transport, tmp_path: Path) -> None:
+    """A commit that fails (SQLite's page limit stands in for a full disk) is not
+    acknowledged, and the buffer closes with the reason: a restart replays what the ledger has."""
+    from yatt.errors import ActorFailed
+
+    buffer = make(transport, tmp_path)
+    await buffer.start()
+    async with Client(transport, buffer.endpoint) as client:
+        plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        db = buffer.ledger._db
+        db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+        with pytest.raises(RemoteError):
+            for key in plan.keys * 50:  # payloads fill the last page
+                await asyncio.wait_for(client.request(make_group(key, 0), Ack), 10)
+    with pytest.raises(ActorFailed, match="no space left on device writing .*a.db"):
+        await asyncio.wait_for(buffer.wait_closed(), 10)
+    await buffer.close()
+    restarted = make(transport, tmp_path)  # what it acknowledged is all the ledger has
+    assert restarted.core.stats.accepted + sum(restarted.core.stats.filtered.values()) <= len(plan.keys)
+    restarted.ledger.close()

@@ -1,0 +1,213 @@
+"""``python -m benchmarks faults``: kill each role of the default job mid-run, and the
+goodput of a run with a failure every K steps against an undisturbed one and against
+restarting everything.
+
+- Kills: one run per role (controller, generator, reward, buffer, trainer rank 1, and a
+  buffer that hangs: SIGSTOP), the role killed once after step ``at``. From the ledger
+  and the metrics: did the run finish unattended, groups lost (a prompt before the last
+  trained one that was neither trained nor filtered, in the seeded prompt order), groups
+  duplicated (a group, or a prompt, trained twice in the run as it stands) and steps
+  trained twice (voided by a rewind, then trained again).
+- Goodput, as RobustRL reports it: effective training time (the ``time/step_s`` of the
+  steps that count) over the launcher's wall time. Three runs of ``steps`` steps: no
+  failure; a role killed every ``every`` steps (cycling through controller, generator,
+  reward, buffer, trainer rank); the restart-everything baseline (the whole job killed at
+  the same steps and resumed with ``--resume``, the recovery verl and NeMo-RL have).
+
+Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.harness import Result
+from benchmarks.jobs import read_metrics
+from launch.config import load_run_config
+from launch.local import latest_checkpoint
+from yatt.configtools import build
+from yatt.data import DEFAULT_GENERATED
+from yatt.errors import ConfigError
+from yatt.ledger import Ledger
+from yatt.sampling import epoch_order
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = {"steps": 10, "at": 4, "every": 5, "checkpoint_every": 3}
+ROTATION = [("controller", 0), ("generator", 0), ("reward", 0), ("buffer", 0), ("trainer", 1)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    steps: int = 30
+    """Steps of every run."""
+    at: int = 8
+    """The kill runs kill their role once this many steps are done."""
+    every: int = 10
+    """Goodput: a failure every this many steps."""
+    checkpoint_every: int = 5
+    """trainer.checkpoint_every of every run (what a trainer restart and --resume go back to)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "at", "every", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"faults.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.at >= self.steps:
+            raise ConfigError(f"faults.at = {self.at} must be < faults.steps = {self.steps}")
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    finished: bool
+    wall_s: float
+    effective_s: float
+    lost: int
+    duplicated: int
+    steps_twice: int
+
+
+def _launch(run_dir: Path, items: list[str], resume: bool = False) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"]
+    if resume:
+        cmd += ["--resume", str(run_dir)]
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").open("ab")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(read_metrics(path)) if path.exists() else 0
+
+
+def _wait(proc: subprocess.Popen[bytes], run_dir: Path, steps: int, timeout_s: float = 900) -> bool:
+    """Until ``steps`` steps are done (True) or the launcher exits (False)."""
+    deadline = time.monotonic() + timeout_s
+    while _steps(run_dir) < steps:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+    return True
+
+
+def _pid(run_dir: Path, role: str, index: int) -> int | None:
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        if f"launch.role {role} " in line and f"--run-dir {run_dir} " in line and f"--index {index} " in line:
+            return int(line.split()[0])
+    return None
+
+
+def _kill(run_dir: Path, role: str, index: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    pid = _pid(run_dir, role, index)
+    if pid is not None:
+        os.kill(pid, sig)
+
+
+def _audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: bool) -> Outcome:
+    """What the ledger and the metrics say of a run that ended."""
+    metrics = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        entries, history = ledger.entries(), ledger.history()
+    finally:
+        ledger.close()
+    trained = [e for e in entries if e.status == "trained"]
+    by_key = Counter(e.key for e in trained)
+    by_prompt = Counter((e.key.epoch, e.key.prompt_index) for e in trained)
+    duplicated = sum(n - 1 for n in by_key.values()) + sum(n - 1 for n in by_prompt.values())
+    final: dict[tuple[int, int], tuple[int, str]] = {}  # prompt -> (attempt, status) of its newest attempt
+    for e in entries:
+        prompt = (e.key.epoch, e.key.prompt_index)
+        if e.status != "duplicate" and e.key.attempt >= final.get(prompt, (-1, ""))[0]:
+            final[prompt] = (e.key.attempt, e.status)
+    lost = 0
+    if trained:
+        order = [(epoch, i) for epoch in range(max(p[0] for p in final) + 1) for i in epoch_order(num_prompts, seed, epoch)]
+        last = max(order.index(p) for p, (_, status) in final.items() if status == "trained")
+        lost = sum(final.get(p, (0, "missing"))[1] not in ("trained", "filtered") for p in order[: last + 1])
+    voided = sum(e.status == "trained" for e in history) - len(trained)
+    groups_per_step = max(1, len(trained) // max(1, len(metrics)))
+    return Outcome(
+        finished=finished,
+        wall_s=wall_s,
+        effective_s=sum(m["time/step_s"] for m in metrics),
+        lost=lost,
+        duplicated=duplicated,
+        steps_twice=voided // groups_per_step,
+    )
+
+
+def _run(run_dir: Path, items: list[str], kills: list[tuple[int, str, int, signal.Signals]], restart_all: bool) -> float:
+    """One run, killing ``(after_step, role, index, signal)`` in order (the whole job when
+    ``restart_all``, then ``--resume``); returns the wall seconds of all its launchers."""
+    start = time.perf_counter()
+    proc = _launch(run_dir, items)
+    for after, role, index, sig in kills:
+        if not _wait(proc, run_dir, after):
+            break
+        if restart_all:
+            os.kill(proc.pid, signal.SIGKILL)  # every role dies with its launcher
+            proc.wait()
+            while any(_pid(run_dir, r, i) for r, i in ROTATION):
+                time.sleep(0.2)
+            if latest_checkpoint(run_dir) is None:  # nothing to resume: start over
+                for name in ("metrics.jsonl", "ledger.db", "ledger.db-wal", "ledger.db-shm"):
+                    (run_dir / name).unlink(missing_ok=True)
+                proc = _launch(run_dir, items)
+            else:
+                proc = _launch(run_dir, items, resume=True)
+        else:
+            _kill(run_dir, role, index, sig)
+    proc.wait(timeout=1800)
+    return time.perf_counter() - start
+
+
+def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Result:
+    opts = build(Options, {**(QUICK if quick else {}), **(options or {})}, "faults")
+    cfg = load_run_config(None)
+    num_prompts = DEFAULT_GENERATED
+    items = [f"run.steps={opts.steps}", f"trainer.checkpoint_every={opts.checkpoint_every}", "placement.layout=disaggregated"]
+    result = Result()
+    f, r = result.figures, result.ratios
+    table = ["role | kills | finished unattended | groups lost | groups duplicated | steps trained twice | wall s"]
+    roles = ROTATION[:2] if quick else ROTATION
+    cases = [(role, index, signal.SIGKILL) for role, index in roles] + ([] if quick else [("buffer", 0, signal.SIGSTOP)])
+    with tempfile.TemporaryDirectory(prefix="yatt-faults-") as tmp:
+        for role, index, sig in cases:
+            name = f"{role}{index}" + ("_stop" if sig == signal.SIGSTOP else "")
+            run_dir = Path(tmp) / name
+            wall = _run(run_dir, items, [(opts.at, role, index, sig)], False)
+            out = _audit(run_dir, cfg.run.seed, num_prompts, wall, _steps(run_dir) == opts.steps)
+            label = f"{role}-{index}" + (" (SIGSTOP)" if sig == signal.SIGSTOP else "")
+            table.append(f"{label} | 1 | {'yes' if out.finished else 'NO'} | {out.lost} | {out.duplicated} | {out.steps_twice} | {wall:.0f}")
+            f[f"kill_{name}_finished"] = float(out.finished)
+            f[f"kill_{name}_groups_lost"] = float(out.lost)
+            f[f"kill_{name}_groups_duplicated"] = float(out.duplicated)
+            f[f"kill_{name}_steps_trained_twice"] = float(out.steps_twice)
+        kills = [(k, *ROTATION[(k // opts.every - 1) % len(ROTATION)], signal.SIGKILL) for k in range(opts.every, opts.steps, opts.every)]
+        for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
+            run_dir = Path(tmp) / name
+            wall = _run(run_dir, items, plan, restart_all)
+            out = _audit(run_dir, cfg.run.seed, num_prompts, wall, _steps(run_dir) == opts.steps)
+            f[f"goodput_{name}"] = out.effective_s / wall
+            f[f"wall_s_{name}"] = wall
+            f[f"groups_lost_{name}"] = float(out.lost)
+            f[f"groups_duplicated_{name}"] = float(out.duplicated)
+    r["goodput_role_restart_vs_undisturbed"] = f["goodput_role_restart"] / f["goodput_undisturbed"]
+    r["goodput_restart_all_vs_undisturbed"] = f["goodput_restart_all"] / f["goodput_undisturbed"]
+    r["wall_role_restart_vs_restart_all"] = f["wall_s_role_restart"] / f["wall_s_restart_all"]
+    result.notes.append("kills (default job, disaggregated, " f"{opts.steps} steps, checkpoint every {opts.checkpoint_every}, kill after step {opts.at}):")
+    result.notes.extend(table)
+    result.notes.append(
+        f"goodput: a failure every {opts.every} steps ({len(kills)} in the run) cycling through "
+        + ", ".join(f"{r}-{i}" for r, i in ROTATION)
+        + "; restart_all kills the whole job at the same steps and resumes it with --resume"
+    )
+    return result

@@ -8,13 +8,23 @@ restarting everything.
   trained one that was neither trained nor filtered, in the seeded prompt order), groups
   duplicated (a group, or a prompt, trained twice in the run as it stands) and steps
   trained twice (voided by a rewind, then trained again).
-- Goodput, as RobustRL reports it: effective training time (the ``time/step_s`` of the
-  steps that count) over the launcher's wall time. Three runs of ``steps`` steps: no
-  failure; a role killed every ``every`` steps (cycling through controller, generator,
-  reward, buffer, trainer rank); the restart-everything baseline (the whole job killed at
-  the same steps and resumed with ``--resume``, the recovery verl and NeMo-RL have).
+- Goodput, as RobustRL reports it: effective training time over wall time, where the
+  effective time of a run is the wall time of the same run without failures (the same
+  steps, startup included). Three runs of ``steps`` steps: no failure; a role killed every
+  ``every`` steps (cycling through controller, generator, reward, buffer, trainer rank);
+  the restart-everything baseline (the whole job killed at the same steps and resumed with
+  ``--resume``, the recovery verl and NeMo-RL have).
 
-Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5).
+- Fuzz: ``fuzz_frames`` random and mutated frames into every port of a running default
+  job with the run's keys, and a tenth as many with a key of its own
+  (``benchmarks/fuzzing.py``): role crashes (restarts), replies to the keyless peer, and
+  whether the run finished.
+- Soak: the default job for ``soak_steps`` steps, the RSS and open fds of every role
+  process sampled every 2 s; growth from the first sample after 10% of the steps to the
+  last.
+
+Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5),
+``fuzz_frames`` (100000), ``soak_steps`` (2000), ``parts`` ([kills, goodput, fuzz, soak]).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import Result
@@ -40,7 +50,7 @@ from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK = {"steps": 10, "at": 4, "every": 5, "checkpoint_every": 3}
+QUICK = {"steps": 10, "at": 4, "every": 5, "checkpoint_every": 3, "fuzz_frames": 2000, "soak_steps": 60}
 ROTATION = [("controller", 0), ("generator", 0), ("reward", 0), ("buffer", 0), ("trainer", 1)]
 
 
@@ -54,11 +64,20 @@ class Options:
     """Goodput: a failure every this many steps."""
     checkpoint_every: int = 5
     """trainer.checkpoint_every of every run (what a trainer restart and --resume go back to)."""
+    fuzz_frames: int = 100_000
+    """Fuzzed messages with the run's keys (and a tenth as many without)."""
+    soak_steps: int = 2000
+    """Steps of the soak run."""
+    parts: list[str] = field(default_factory=lambda: ["kills", "goodput", "fuzz", "soak"])
+    """Which parts to run."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "at", "every", "checkpoint_every"):
+        for name in ("steps", "at", "every", "checkpoint_every", "fuzz_frames", "soak_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"faults.{name} must be >= 1 (got {getattr(self, name)})")
+        unknown = set(self.parts) - {"kills", "goodput", "fuzz", "soak"}
+        if unknown:
+            raise ConfigError(f"faults.parts: unknown {sorted(unknown)}; known: kills, goodput, fuzz, soak")
         if self.at >= self.steps:
             raise ConfigError(f"faults.at = {self.at} must be < faults.steps = {self.steps}")
 
@@ -67,7 +86,6 @@ class Options:
 class Outcome:
     finished: bool
     wall_s: float
-    effective_s: float
     lost: int
     duplicated: int
     steps_twice: int
@@ -137,7 +155,6 @@ def _audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: 
     return Outcome(
         finished=finished,
         wall_s=wall_s,
-        effective_s=sum(m["time/step_s"] for m in metrics),
         lost=lost,
         duplicated=duplicated,
         steps_twice=voided // groups_per_step,
@@ -169,45 +186,137 @@ def _run(run_dir: Path, items: list[str], kills: list[tuple[int, str, int, signa
     return time.perf_counter() - start
 
 
+@dataclass(kw_only=True)
+class Usage:
+    """One role process's resident memory and open fds, first (after warm-up) and last."""
+
+    rss_mb: tuple[float, float]
+    fds: tuple[int, int]
+
+    @property
+    def rss_growth(self) -> float:
+        return self.rss_mb[1] / self.rss_mb[0] - 1
+
+
+def _role_processes(run_dir: Path) -> dict[str, int]:
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    procs = {}
+    for line in out.splitlines():
+        if "launch.role " in line and f"--run-dir {run_dir} " in line:
+            args = line.split()
+            procs[f"{args[args.index('launch.role') + 1]}-{args[args.index('--index') + 1]}"] = int(args[0])
+    return procs
+
+
+def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str, Usage]:
+    """The default job for ``steps`` steps; each role process's RSS and fds, sampled."""
+    import psutil
+
+    proc = _launch(run_dir, [f"run.steps={steps}", *(items or [])])
+    first: dict[str, tuple[float, int]] = {}
+    last: dict[str, tuple[float, int]] = {}
+    while proc.poll() is None:
+        done = _steps(run_dir)
+        if done >= max(1, steps // 10) and done < steps:
+            for name, pid in _role_processes(run_dir).items():
+                try:
+                    p = psutil.Process(pid)
+                    sample = (p.memory_info().rss / 2**20, p.num_fds())
+                except psutil.Error:
+                    continue
+                first.setdefault(name, sample)
+                last[name] = sample
+        time.sleep(2.0)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the soak run failed; see {run_dir.parent / (run_dir.name + '.launcher.log')}")
+    return {n: Usage(rss_mb=(first[n][0], last[n][0]), fds=(first[n][1], last[n][1])) for n in first}
+
+
 def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Result:
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})}, "faults")
-    cfg = load_run_config(None)
-    num_prompts = DEFAULT_GENERATED
     items = [f"run.steps={opts.steps}", f"trainer.checkpoint_every={opts.checkpoint_every}", "placement.layout=disaggregated"]
     result = Result()
-    f, r = result.figures, result.ratios
+    with tempfile.TemporaryDirectory(prefix="yatt-faults-") as tmp:
+        for part in opts.parts:
+            PARTS[part](Path(tmp), opts, items, result, quick)
+    return result
+
+
+def _kills(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
+    seed, f = load_run_config(None).run.seed, result.figures
     table = ["role | kills | finished unattended | groups lost | groups duplicated | steps trained twice | wall s"]
     roles = ROTATION[:2] if quick else ROTATION
     cases = [(role, index, signal.SIGKILL) for role, index in roles] + ([] if quick else [("buffer", 0, signal.SIGSTOP)])
-    with tempfile.TemporaryDirectory(prefix="yatt-faults-") as tmp:
-        for role, index, sig in cases:
-            name = f"{role}{index}" + ("_stop" if sig == signal.SIGSTOP else "")
-            run_dir = Path(tmp) / name
-            wall = _run(run_dir, items, [(opts.at, role, index, sig)], False)
-            out = _audit(run_dir, cfg.run.seed, num_prompts, wall, _steps(run_dir) == opts.steps)
-            label = f"{role}-{index}" + (" (SIGSTOP)" if sig == signal.SIGSTOP else "")
-            table.append(f"{label} | 1 | {'yes' if out.finished else 'NO'} | {out.lost} | {out.duplicated} | {out.steps_twice} | {wall:.0f}")
-            f[f"kill_{name}_finished"] = float(out.finished)
-            f[f"kill_{name}_groups_lost"] = float(out.lost)
-            f[f"kill_{name}_groups_duplicated"] = float(out.duplicated)
-            f[f"kill_{name}_steps_trained_twice"] = float(out.steps_twice)
-        kills = [(k, *ROTATION[(k // opts.every - 1) % len(ROTATION)], signal.SIGKILL) for k in range(opts.every, opts.steps, opts.every)]
-        for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
-            run_dir = Path(tmp) / name
-            wall = _run(run_dir, items, plan, restart_all)
-            out = _audit(run_dir, cfg.run.seed, num_prompts, wall, _steps(run_dir) == opts.steps)
-            f[f"goodput_{name}"] = out.effective_s / wall
-            f[f"wall_s_{name}"] = wall
-            f[f"groups_lost_{name}"] = float(out.lost)
-            f[f"groups_duplicated_{name}"] = float(out.duplicated)
-    r["goodput_role_restart_vs_undisturbed"] = f["goodput_role_restart"] / f["goodput_undisturbed"]
-    r["goodput_restart_all_vs_undisturbed"] = f["goodput_restart_all"] / f["goodput_undisturbed"]
-    r["wall_role_restart_vs_restart_all"] = f["wall_s_role_restart"] / f["wall_s_restart_all"]
-    result.notes.append("kills (default job, disaggregated, " f"{opts.steps} steps, checkpoint every {opts.checkpoint_every}, kill after step {opts.at}):")
+    for role, index, sig in cases:
+        name = f"{role}{index}" + ("_stop" if sig == signal.SIGSTOP else "")
+        run_dir = tmp / name
+        wall = _run(run_dir, items, [(opts.at, role, index, sig)], False)
+        out = _audit(run_dir, seed, DEFAULT_GENERATED, wall, _steps(run_dir) == opts.steps)
+        label = f"{role}-{index}" + (" (SIGSTOP)" if sig == signal.SIGSTOP else "")
+        table.append(f"{label} | 1 | {'yes' if out.finished else 'NO'} | {out.lost} | {out.duplicated} | {out.steps_twice} | {wall:.0f}")
+        f[f"kill_{name}_finished"] = float(out.finished)
+        f[f"kill_{name}_groups_lost"] = float(out.lost)
+        f[f"kill_{name}_groups_duplicated"] = float(out.duplicated)
+        f[f"kill_{name}_steps_trained_twice"] = float(out.steps_twice)
+    result.notes.append(
+        f"kills (default job, disaggregated, {opts.steps} steps, checkpoint every {opts.checkpoint_every}, kill after step {opts.at}):"
+    )
     result.notes.extend(table)
+
+
+def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
+    seed, f, r = load_run_config(None).run.seed, result.figures, result.ratios
+    kills = [(k, *ROTATION[(k // opts.every - 1) % len(ROTATION)], signal.SIGKILL) for k in range(opts.every, opts.steps, opts.every)]
+    for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
+        run_dir = tmp / name
+        wall = _run(run_dir, items, plan, restart_all)
+        out = _audit(run_dir, seed, DEFAULT_GENERATED, wall, _steps(run_dir) == opts.steps)
+        f[f"wall_s_{name}"] = wall
+        f[f"goodput_{name}"] = f["wall_s_undisturbed"] / wall
+        f[f"finished_{name}"] = float(out.finished)
+        f[f"groups_lost_{name}"] = float(out.lost)
+        f[f"groups_duplicated_{name}"] = float(out.duplicated)
+    r["goodput_role_restart_vs_restart_all"] = f["goodput_role_restart"] / f["goodput_restart_all"]
+    r["wall_role_restart_vs_restart_all"] = f["wall_s_role_restart"] / f["wall_s_restart_all"]
     result.notes.append(
         f"goodput: a failure every {opts.every} steps ({len(kills)} in the run) cycling through "
-        + ", ".join(f"{r}-{i}" for r, i in ROTATION)
+        + ", ".join(f"{role}-{i}" for role, i in ROTATION)
         + "; restart_all kills the whole job at the same steps and resumes it with --resume"
     )
-    return result
+
+
+def _fuzz(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
+    from benchmarks.fuzzing import fuzz, role_ports
+
+    f = result.figures
+    run_dir = tmp / "fuzz"
+    proc = _launch(run_dir, items)
+    if _wait(proc, run_dir, 2):
+        ports = [port for listed in role_ports(run_dir).values() for port in listed]
+        start = time.perf_counter()
+        keyed = fuzz(ports, opts.fuzz_frames, keys=run_dir / "keys", authorised=True)
+        f["fuzz_frames_per_s"] = keyed.sent / (time.perf_counter() - start)
+        keyless = fuzz(ports, opts.fuzz_frames // 10, keys=run_dir / "keys", authorised=False, seed=1)
+        f["fuzz_frames_sent"] = float(keyed.sent + keyless.sent)
+        f["fuzz_ports"] = float(len(ports))
+        f["fuzz_replies_to_keyed_peer"] = float(keyed.replies)
+        f["fuzz_replies_to_keyless_peer"] = float(keyless.replies)
+        f["fuzz_steps_done_when_fuzz_ended"] = float(_steps(run_dir))
+    proc.wait(timeout=1800)
+    log = (tmp / "fuzz.launcher.log").read_text()
+    f["fuzz_role_crashes"] = float(log.count("exited with code") + log.count("stopped answering"))
+    f["fuzz_run_finished"] = float(proc.returncode == 0 and _steps(run_dir) == opts.steps)
+
+
+def _soak(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
+    usage = soak(tmp / "soak", opts.soak_steps, ["placement.layout=disaggregated"])
+    for name, u in sorted(usage.items()):
+        result.figures[f"soak_{name}_rss_growth_pct"] = 100 * u.rss_growth
+        result.figures[f"soak_{name}_fds_growth"] = float(u.fds[1] - u.fds[0])
+    result.notes.append(
+        f"soak ({opts.soak_steps} steps): "
+        + "; ".join(f"{n} RSS {u.rss_mb[0]:.0f} -> {u.rss_mb[1]:.0f} MiB, fds {u.fds[0]} -> {u.fds[1]}" for n, u in sorted(usage.items()))
+    )
+
+
+PARTS = {"kills": _kills, "goodput": _goodput, "fuzz": _fuzz, "soak": _soak}

@@ -237,6 +237,13 @@ class LocalLauncher:
 
     async def run(self) -> int:
         """Run to completion; 0 on success, 1 when a role failed, 2 on a config error, 130 on Ctrl-C."""
+        if self.resume is not None and checkpoint_step(self.resume) >= self.cfg.run.steps:
+            print(
+                f"yatt: {self.run_dir} is done: its last checkpoint is step {checkpoint_step(self.resume)} of "
+                f"run.steps={self.cfg.run.steps}; to train longer, resume with run.steps=N (N > {checkpoint_step(self.resume)})",
+                flush=True,
+            )
+            return 0
         try:
             await self._check()
         except ConfigError as e:

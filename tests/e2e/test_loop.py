@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.fuzzing import fuzz, role_ports
 from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
 from yatt.data import DEFAULT_GENERATED
@@ -138,7 +139,18 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     if layout == "auto":  # while it runs: only the run's own processes can talk to it
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
         assert_only_the_runs_keys_reach_handlers(run_dir, proc)
+    if layout == "disaggregated":  # while it runs: junk into every port crashes, hangs and poisons nothing
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
+        ports = [port for listed in role_ports(run_dir).values() for port in listed]
+        assert len(ports) >= 6, ports
+        with_keys = fuzz(ports, 10_000, keys=run_dir / "keys", authorised=True)
+        assert with_keys.replies > 100, "the fuzz reached no handler"
+        assert fuzz(ports, 1_000, keys=run_dir / "keys", authorised=False, seed=1).replies == 0
+        assert len(metrics(run_dir)) < 40, "the run ended before the fuzz did"
     finish(proc, run_dir)
+    if layout == "disaggregated":
+        log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+        assert "exited with code" not in log and "stopped answering" not in log, log[-3000:]
     rows = metrics(run_dir)
     assert_default_job_learned(rows, run_dir)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

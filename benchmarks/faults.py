@@ -209,10 +209,12 @@ def _role_processes(run_dir: Path) -> dict[str, int]:
 
 
 def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str, Usage]:
-    """The default job for ``steps`` steps; each role process's RSS and fds, sampled."""
+    """The default job for ``steps`` steps (training on past the bound on dynamic sampling);
+    each role process's RSS and fds, sampled."""
     import psutil
 
-    proc = _launch(run_dir, [f"run.steps={steps}", *(items or [])])
+    # The default task collapses after ~60 steps (every group all-equal): keep training on.
+    proc = _launch(run_dir, [f"run.steps={steps}", "buffer.on_stall=train", *(items or [])])
     first: dict[str, tuple[float, int]] = {}
     last: dict[str, tuple[float, int]] = {}
     while proc.poll() is None:

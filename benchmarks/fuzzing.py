@@ -42,6 +42,7 @@ from protocols.messages import (
 @dataclass(kw_only=True)
 class FuzzStats:
     sent: int = 0
+    refused: int = 0  # not queued: no connected peer (a keyless client's handshake fails)
     replies: int = 0
     ports: int = 0
 
@@ -143,8 +144,11 @@ def fuzz(ports: list[int], count: int, *, keys: Path | None, authorised: bool, s
     try:
         for n in range(count):
             sock = socks[n % len(socks)]
-            sock.send_multipart(_message(rng, seeds))
-            stats.sent += 1
+            try:
+                sock.send_multipart(_message(rng, seeds), flags=zmq.NOBLOCK)
+                stats.sent += 1
+            except zmq.Again:
+                stats.refused += 1
             if n % 200 == 0:  # drain replies, and let the roles breathe
                 for s in socks:
                     while s.poll(0):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -45,6 +46,8 @@ from yatt.actor import Actor, handles
 from yatt.config import GeneratorConfig
 from yatt.errors import ProtocolError
 from yatt.transport import Transport
+
+logger = logging.getLogger(__name__)
 
 
 class Generator(Actor):
@@ -118,19 +121,28 @@ class Generator(Actor):
             PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling) for msg, _ in batch
         ]
         await self._awake.wait()
+        failed: Exception | None = None
         async with self._engine_lock:
             version = self.version
             start = time.perf_counter()
             try:
                 with trace.span("generate"):
                     results = await asyncio.to_thread(self.engine.generate, requests)
-            except Exception as e:  # one bad batch fails its requests, not the worker
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+            except Exception as e:  # a bad batch fails its requests, not the worker
+                failed = e
+            else:
+                self._last_call_s = time.perf_counter() - start
+                self.generate_s += self._last_call_s
+        if failed is not None:
+            if len(batch) == 1:
+                if not batch[0][1].done():
+                    batch[0][1].set_exception(failed)
                 return
-            self._last_call_s = time.perf_counter() - start
-            self.generate_s += self._last_call_s
+            # One bad request (a token id past the vocabulary) must not fail its batch-mates.
+            logger.warning("generator: a batch of %d failed (%s); running each request alone", len(batch), failed)
+            for one in batch:
+                await self._run([one])
+            return
         self.batches += 1
         for (msg, fut), samples in zip(batch, results, strict=True):
             self.tokens += sum(len(s.token_ids) for s in samples)

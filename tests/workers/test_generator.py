@@ -5,6 +5,7 @@ trainer after which the generator's logprobs match the trainer's own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -123,6 +124,24 @@ async def test_on_policy_request_waits_for_its_version(transport: Transport, tin
             reply = await asyncio.wait_for(waiting, 300)
             assert all(c.policy_version_min == 1 for c in reply.completions)
             assert (await client.request(Query(what="version"), Ack)).seq == 1
+
+
+async def test_a_bad_request_does_not_fail_its_batch_mates(transport: Transport, tiny_model_dir: Path) -> None:
+    """A prompt token past the vocabulary (what a fuzzer or a broken peer sends) fails its
+    own request only; the good requests batched with it are served."""
+    config = GeneratorConfig(batch_wait_ms=200)
+    engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
+    bad = dataclasses.replace(request(9), prompt_ids=torch.tensor([1, 10**6], dtype=torch.int32))
+    async with Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen:
+        async with Client(transport, gen.endpoint) as client:
+            replies = await asyncio.gather(
+                client.request(request(0), Completions, timeout=300),
+                client.request(bad, Completions, timeout=300),
+                client.request(request(1), Completions, timeout=300),
+                return_exceptions=True,
+            )
+    assert isinstance(replies[1], RemoteError)
+    assert all(isinstance(r, Completions) for r in (replies[0], replies[2])), replies
 
 
 async def test_a_restarted_trainer_groups_weights_replace_a_dead_ones(transport: Transport, tiny_model_dir: Path) -> None:

@@ -190,13 +190,15 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
 
 
 @pytest.mark.parametrize("layout", ["disaggregated", "partial"])
-def test_killed_controller_generator_and_buffer_lose_nothing(tmp_path: Path, layout: str) -> None:
+def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "kills"
     proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}")
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
     os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)
     wait_for(lambda: len(metrics(run_dir)) >= 8, 600)
     os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
+    wait_for(lambda: len(metrics(run_dir)) >= 10, 600)
+    os.kill(role_pid(run_dir, "reward", 0, proc), signal.SIGKILL)
     wait_for(lambda: len(metrics(run_dir)) >= 12, 600)
     # Disaggregated: the buffer dies. Partial: it hangs (SIGSTOP); the launcher kills it.
     os.kill(role_pid(run_dir, "buffer", 0, proc), signal.SIGKILL if layout == "disaggregated" else signal.SIGSTOP)
@@ -205,7 +207,7 @@ def test_killed_controller_generator_and_buffer_lose_nothing(tmp_path: Path, lay
     assert len(metrics(run_dir)) == 20
     assert_exactly_once(run_dir, 20)
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
-    assert "controller-0 exited" in log and "generator-0 exited" in log and "buffer-0 exited" in log
+    assert all(f"{role}-0 exited" in log for role in ("controller", "generator", "reward", "buffer"))
     if layout == "partial":
         assert "buffer-0 stopped answering" in log
     # The restarted buffer carried on from the ledger, not from nothing.

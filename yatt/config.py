@@ -8,6 +8,7 @@ loads YAML data into them and rejects unknown keys and bad values by dotted name
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from yatt.configtools import require
@@ -464,6 +465,16 @@ class DataConfig:
     """Wrap each prompt in the tokenizer's chat template (when it has one); false: plain text."""
 
     def __post_init__(self) -> None:
+        if self.source == "synthetic" and self.path:  # a path means a file source: which one, by its suffix
+            suffix = Path(self.path).suffix
+            inferred = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}.get(suffix)
+            require(
+                inferred is not None,
+                "source",
+                f"is synthetic, but data.path = {self.path!r} is set; say which files it holds: "
+                "data.source: jsonl or parquet",
+            )
+            object.__setattr__(self, "source", inferred)
         require(
             self.source not in ("jsonl", "parquet") or bool(self.path),
             "path",

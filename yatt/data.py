@@ -169,6 +169,12 @@ def _data_files(config: DataConfig) -> list[str]:
         if not files:
             raise ConfigError(f"data.path = {config.path!r} holds no {' or '.join(suffixes)} files")
         return files
+    if config.path.count("/") == 1 and not path.suffix and not config.path.startswith((".", "/", "~")):
+        raise ConfigError(
+            f"data.path = {config.path!r} does not exist here, and runs do not download (it looks like a hub "
+            f"dataset id): download it first, e.g. `huggingface-cli download --repo-type dataset {config.path} "
+            f"--local-dir data/{path.name}`, then set data.path to its {config.source} file or directory"
+        )
     raise ConfigError(
         f"data.path = {config.path!r} does not exist; give a {config.source} file or a directory of them"
     )

@@ -286,3 +286,14 @@ def test_missing_tokenizer(tmp_path: Path) -> None:
         load_prompts(DataConfig(num_prompts=1), str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match=r"cannot load a tokenizer from '.*'"):
         load_prompts(DataConfig(num_prompts=1), str(tmp_path))
+
+
+def test_a_path_implies_a_file_source_and_a_hub_id_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    from launch.config import load_run_config
+
+    assert load_run_config(None, [f"data.path={tmp_path / 'd.jsonl'}"]).data.source == "jsonl"
+    assert load_run_config(None, [f"data.path={tmp_path / 'd.parquet'}"]).data.source == "parquet"
+    with pytest.raises(ConfigError, match=r"data\.source.*is synthetic, but data\.path = .* is set"):
+        load_run_config(None, [f"data.path={tmp_path}"])
+    with pytest.raises(ConfigError, match="runs do not download .*huggingface-cli download --repo-type dataset openai/gsm8k"):
+        load_prompts(DataConfig(source="jsonl", path="openai/gsm8k"), str(tmp_path))

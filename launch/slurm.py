@@ -506,6 +506,7 @@ class SlurmLauncher(LocalLauncher):
 
     def role_env(self, role: str, index: int) -> dict[str, str]:
         env = super().role_env(role, index)
+        env.pop("YATT_LAUNCHER_PID", None)  # a step's parent is slurmstepd: the steps end with the job
         if role == "trainer":
             # Every rank is its own step and sees only its own GPU, as cuda:0.
             env.update(TORCHELASTIC_USE_AGENT_STORE="True", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

@@ -202,6 +202,7 @@ def test_slurm_steps_of_a_gpu_placement() -> None:
     assert {"--overlap", "--gres=none", "--cpus-per-task=1"} <= set(buffer) and "--exact" not in buffer
     env = launcher.role_env("trainer", 1)
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["TORCHELASTIC_USE_AGENT_STORE"]) == ("1", "2", "10.0.0.1", "True")
+    assert "YATT_LAUNCHER_PID" not in env, "a step's parent is slurmstepd, not the launcher"
 
 
 def test_colocated_ranks_host_their_engines_on_every_node() -> None:

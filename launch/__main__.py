@@ -15,20 +15,47 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from launch import plan, slurm
 from launch.config import load_run_config, split_items
 from launch.local import LocalLauncher, latest_checkpoint
+from yatt.configtools import to_dict
 from yatt.errors import ConfigError
+
+SECTIONS = """config sections (a YAML file with any of them, or dotted.key=value overrides; every field is
+documented where its class is defined; --print-config shows them all with their values):
+  run        the run as a whole: steps, processes, restarts, authentication  launch/config.py: RunSettings
+  model      the policy: local path, dtype                                    yatt/config.py: ModelConfig
+  data       prompts: synthetic, jsonl, parquet, reasoning_gym                yatt/config.py: DataConfig
+  controller sampling, request timeouts                                       yatt/config.py: ControllerConfig
+  generator  engine (transformers, vllm), batching                           yatt/config.py: GeneratorConfig
+  reward     the scorers of the reward mix                                    yatt/config.py: RewardConfig
+  buffer     dynamic sampling, staleness, micro-batches                       yatt/config.py: BufferConfig
+  algorithm  advantage, losses, KL, clipping                                  yatt/config.py: AlgorithmConfig
+  trainer    FSDP2 ranks, optimizer, checkpoints, weight sync                 yatt/config.py: TrainerConfig
+  transport  ZeroMQ: timeouts, heartbeats, CURVE                              yatt/transport.py: TransportConfig
+  placement  colocated, partial, disaggregated, auto                          yatt/config.py: PlacementConfig
+  slurm      run dirs and head ports under SLURM                              launch/config.py: SlurmSettings
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run every role on this machine")
+    run = sub.add_parser(
+        "run",
+        help="run every role on this machine",
+        epilog=SECTIONS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("items", nargs="*", metavar="CONFIG.yaml | dotted.key=value")
     run.add_argument("--run-dir", type=Path, default=None, help="where the run writes (default runs/<time>)")
     run.add_argument("--resume", type=Path, default=None, help="a run dir to continue from its last checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    run.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (every default filled in) and exit"
+    )
     slurm.add_parsers(sub)
     plan.add_parser(sub)
     args = parser.parse_args(argv)
@@ -55,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"yatt: config error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     launcher = LocalLauncher(cfg, run_dir, resume=resume_ckpt, show_progress=not args.no_progress)
     return asyncio.run(launcher.run())

@@ -90,3 +90,22 @@ def test_an_empty_dataset_and_a_reused_run_dir_are_refused_in_one_line(
     err = capsys.readouterr().err
     assert f"run dir {used} already holds a run; continue it with `python -m launch run --resume {used}`" in err
     assert (used / "metrics.jsonl").read_text() == '{"step": 0}\n', "the old run was touched"
+
+
+def test_print_config_shows_every_default_and_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import yaml
+
+    assert main(["run", "buffer.max_staleness=2", "--print-config", "--run-dir", str(tmp_path / "run")]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["buffer"]["max_staleness"] == 2 and printed["buffer"]["max_filtered_batches"] == 10
+    assert printed["run"]["authenticate"] is True and set(printed) >= {"run", "model", "data", "trainer", "placement"}
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_sections_and_where_they_are_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for section in ("run", "model", "data", "controller", "generator", "reward", "buffer", "algorithm", "trainer", "transport", "placement", "slurm"):
+        assert f"\n  {section} " in out, section
+    assert "yatt/config.py: BufferConfig" in out and "--print-config" in out

@@ -39,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.fuzzing import role_processes
 from benchmarks.harness import Result
 from benchmarks.jobs import read_metrics
 from launch.config import load_run_config
@@ -114,16 +115,8 @@ def _wait(proc: subprocess.Popen[bytes], run_dir: Path, steps: int, timeout_s: f
     return True
 
 
-def _pid(run_dir: Path, role: str, index: int) -> int | None:
-    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines():
-        if f"launch.role {role} " in line and f"--run-dir {run_dir} " in line and f"--index {index} " in line:
-            return int(line.split()[0])
-    return None
-
-
 def _kill(run_dir: Path, role: str, index: int, sig: signal.Signals = signal.SIGKILL) -> None:
-    pid = _pid(run_dir, role, index)
+    pid = role_processes(run_dir).get(f"{role}-{index}")
     if pid is not None:
         os.kill(pid, sig)
 
@@ -172,7 +165,7 @@ def _run(run_dir: Path, items: list[str], kills: list[tuple[int, str, int, signa
         if restart_all:
             os.kill(proc.pid, signal.SIGKILL)  # every role dies with its launcher
             proc.wait()
-            while any(_pid(run_dir, r, i) for r, i in ROTATION):
+            while role_processes(run_dir):
                 time.sleep(0.2)
             if latest_checkpoint(run_dir) is None:  # nothing to resume: start over
                 for name in ("metrics.jsonl", "ledger.db", "ledger.db-wal", "ledger.db-shm"):
@@ -198,16 +191,6 @@ class Usage:
         return self.rss_mb[1] / self.rss_mb[0] - 1
 
 
-def _role_processes(run_dir: Path) -> dict[str, int]:
-    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    procs = {}
-    for line in out.splitlines():
-        if "launch.role " in line and f"--run-dir {run_dir} " in line:
-            args = line.split()
-            procs[f"{args[args.index('launch.role') + 1]}-{args[args.index('--index') + 1]}"] = int(args[0])
-    return procs
-
-
 def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str, Usage]:
     """The default job for ``steps`` steps (training on past the bound on dynamic sampling);
     each role process's RSS and fds, sampled."""
@@ -220,7 +203,7 @@ def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str,
     while proc.poll() is None:
         done = _steps(run_dir)
         if done >= max(1, steps // 10) and done < steps:
-            for name, pid in _role_processes(run_dir).items():
+            for name, pid in role_processes(run_dir).items():
                 try:
                     p = psutil.Process(pid)
                     sample = (p.memory_info().rss / 2**20, p.num_fds())

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zmq
+import zmq.auth
 
 from protocols.codec import encode
 from protocols.messages import (
@@ -47,23 +49,46 @@ class FuzzStats:
     ports: int = 0
 
 
+def role_processes(run_dir: Path) -> dict[str, int]:
+    """``role-index`` -> pid of every role process of the run (``launch.role ... --run-dir``)."""
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    procs: dict[str, int] = {}
+    for line in out.splitlines():
+        if "launch.role " not in line or f"--run-dir {run_dir} " not in line:
+            continue
+        args = line.split()
+        procs[f"{args[args.index('launch.role') + 1]}-{args[args.index('--index') + 1]}"] = int(args[0])
+    return procs
+
+
 def role_ports(run_dir: Path) -> dict[str, list[int]]:
     """``role-index`` -> the TCP ports its process listens on, for every role of the run."""
     import psutil
 
-    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
     ports: dict[str, list[int]] = {}
-    for line in out.splitlines():
-        if "launch.role " not in line or f"--run-dir {run_dir} " not in line:
-            continue
-        pid, args = int(line.split()[0]), line.split()
-        name = f"{args[args.index('launch.role') + 1]}-{args[args.index('--index') + 1]}"
+    for name, pid in role_processes(run_dir).items():
         try:
             conns = psutil.Process(pid).net_connections("tcp")
         except psutil.Error:
             continue
         ports[name] = sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
     return ports
+
+
+def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Path | None, *, authorised: bool) -> zmq.Socket[bytes]:
+    """A DEALER connected to ``endpoint``: without CURVE (keys None), or a CURVE client of
+    the run's server key with the run's client key (authorised) or a key of its own."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = sock.rcvhwm = 0
+    if keys is not None:
+        sock.curve_serverkey = zmq.auth.load_certificate(keys / "server.key")[0]
+        if authorised:
+            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(keys / "client.key_secret")
+        else:
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(endpoint)
+    return sock
 
 
 def _seeds() -> list[Message]:
@@ -121,25 +146,10 @@ def _message(rng: random.Random, seeds: list[list[bytes]]) -> list[bytes]:
 
 def fuzz(ports: list[int], count: int, *, keys: Path | None, authorised: bool, seed: int = 0) -> FuzzStats:
     """Send ``count`` fuzzed messages round-robin to ``ports`` on 127.0.0.1."""
-    import zmq
-    import zmq.auth
-
     rng = random.Random(seed)
     seeds = [[bytes(f) for f in encode(m)] for m in _seeds()]
     ctx = zmq.Context()
-    socks = []
-    for port in ports:
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = 0
-        if keys is not None:
-            sock.curve_serverkey = zmq.auth.load_certificate(keys / "server.key")[0]
-            if authorised:
-                sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(keys / "client.key_secret")
-            else:
-                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        socks.append(sock)
+    socks = [dealer(ctx, f"tcp://127.0.0.1:{port}", keys, authorised=authorised) for port in ports]
     stats = FuzzStats(ports=len(ports))
     try:
         for n in range(count):

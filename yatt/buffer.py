@@ -137,6 +137,7 @@ class Buffer(Actor):
             raise
 
     async def _stop_with(self, error: BaseException) -> None:
+        """Fail the buffer with ``error`` (a task that raises closes the actor)."""
         raise error
 
     @handles(ScoredGroup)
@@ -147,11 +148,8 @@ class Buffer(Actor):
         await self._durable()  # the ledger has it before anyone hears of it
         await self._notify()
         if self.core.stalled:
-            self.spawn(self._stop_run(self.core.stalled), name="stalled")
+            self.spawn(self._stop_with(RunStopped(self.core.stalled)), name="stalled")
         return Ack(info={"decision": decision})
-
-    async def _stop_run(self, why: str) -> None:
-        raise RunStopped(why)
 
     @handles(PlanRequest)
     async def plan(self, msg: PlanRequest) -> DispatchPlan:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.fuzzing import fuzz, role_ports
+from benchmarks.fuzzing import dealer, fuzz, role_ports, role_processes
 from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
 from yatt.data import DEFAULT_GENERATED
@@ -69,12 +69,10 @@ def wait_for(predicate: object, timeout: float) -> None:
 
 
 def role_pid(run_dir: Path, role: str, index: int, launcher: subprocess.Popen[bytes]) -> int:
-    """The pid of a role process, found through the launcher's process group."""
-    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines():
-        if f"launch.role {role} " in line and f"--run-dir {run_dir} " in line and f"--index {index} " in line:
-            return int(line.split()[0])
-    raise AssertionError(f"no {role}-{index} process of {run_dir}")
+    """The pid of a role process of the run."""
+    pid = role_processes(run_dir).get(f"{role}-{index}")
+    assert pid is not None, f"no {role}-{index} process of {run_dir}"
+    return pid
 
 
 LAYOUTS = ["auto", "colocated", "partial", "disaggregated"]
@@ -93,23 +91,14 @@ def replies_to_stats(endpoint: str, keys: Path | None, *, authorised: bool) -> b
     CURVE (keys None), or as a CURVE client with the run's server key and either the run's
     client key (authorised) or a key of its own."""
     import zmq
-    import zmq.auth
 
     from protocols.codec import encode
     from protocols.messages import Query
     from yatt.actor import request_id
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    if keys is not None:
-        sock.curve_serverkey = zmq.auth.load_certificate(keys / "server.key")[0]
-        if authorised:
-            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(keys / "client.key_secret")
-        else:
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock = dealer(ctx, endpoint, keys, authorised=authorised)
     try:
-        sock.connect(endpoint)
         sock.send_multipart([request_id(7), *(bytes(f) for f in encode(Query(what="stats")))])
         return bool(sock.poll(3000))
     finally:
@@ -254,11 +243,7 @@ def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
     assert proc.poll() is None and len(metrics(run_dir)) < 8, "the run ended before the kill"
     os.kill(proc.pid, signal.SIGKILL)  # the launcher, as the OOM killer would: every role dies with it
 
-    def roles_left() -> list[str]:
-        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
-        return [line for line in out.splitlines() if f"--run-dir {run_dir} " in line and "launch.role" in line]
-
-    wait_for(lambda: not roles_left(), 30)
+    wait_for(lambda: not role_processes(run_dir), 30)
     finish(launch(run_dir, resume=run_dir), run_dir)
     ledger = Ledger(run_dir / "ledger.db")
     try:  # the resumed run went back to the checkpoint: it did not start over, nor carry on

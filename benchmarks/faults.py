@@ -3,11 +3,14 @@ goodput of a run with a failure every K steps against an undisturbed one and aga
 restarting everything.
 
 - Kills: one run per role (controller, generator, reward, buffer, trainer rank 1, and a
-  buffer that hangs: SIGSTOP), the role killed once after step ``at``. From the ledger
-  and the metrics: did the run finish unattended, groups lost (a prompt before the last
-  trained one that was neither trained nor filtered, in the seeded prompt order), groups
-  duplicated (a group, or a prompt, trained twice in the run as it stands) and steps
-  trained twice (voided by a rewind, then trained again).
+  buffer that hangs: SIGSTOP), the role killed once after step ``at``; then kills inside
+  a stage of milliseconds, landed by a failpoint (``yatt.trace``): trainer rank 0 halfway
+  through a weight push, the generator loading weights, each trainer rank writing a
+  checkpoint (in the background). From the ledger and the metrics: did the kill land,
+  did the run finish unattended, groups lost (a prompt before the last trained one that
+  was neither trained nor filtered, in the seeded prompt order), groups duplicated (a
+  group, or a prompt, trained twice in the run as it stands) and steps trained twice
+  (voided by a rewind, then trained again).
 - Goodput, as RobustRL reports it: effective training time over wall time, where the
   effective time of a run is the wall time of the same run without failures (the same
   steps, startup included). Three runs of ``steps`` steps: no failure; a role killed every
@@ -15,6 +18,9 @@ restarting everything.
   the restart-everything baseline (the whole job killed at the same steps and resumed with
   ``--resume``, the recovery verl and NeMo-RL have).
 
+- Checkpoint cost: the step time of a job (``checkpoint_model``, SmolLM2-135M by default)
+  with a checkpoint every step, written synchronously and in the background
+  (``trainer.checkpoint_async``), against the same job checkpointing only at the end.
 - Fuzz: ``fuzz_frames`` random and mutated frames into every port of a running default
   job with the run's keys, and a tenth as many with a key of its own
   (``benchmarks/fuzzing.py``): role crashes (restarts), replies to the keyless peer, and
@@ -24,7 +30,8 @@ restarting everything.
   last.
 
 Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5),
-``fuzz_frames`` (100000), ``soak_steps`` (2000), ``parts`` ([kills, goodput, fuzz, soak]).
+``checkpoint_model`` (builtin:smollm2), ``checkpoint_steps`` (8), ``fuzz_frames`` (100000),
+``soak_steps`` (2000), ``parts`` ([kills, goodput, checkpoint, fuzz, soak]).
 """
 
 from __future__ import annotations
@@ -49,9 +56,13 @@ from yatt.data import DEFAULT_GENERATED
 from yatt.errors import ConfigError
 from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
+from yatt.trace import FAILPOINT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK = {"steps": 10, "at": 4, "every": 5, "checkpoint_every": 3, "fuzz_frames": 2000, "soak_steps": 60}
+QUICK = {
+    "steps": 10, "at": 4, "every": 5, "checkpoint_every": 3, "fuzz_frames": 2000, "soak_steps": 60,
+    "checkpoint_model": "", "checkpoint_steps": 4,
+}
 ROTATION = [("controller", 0), ("generator", 0), ("reward", 0), ("buffer", 0), ("trainer", 1)]
 
 
@@ -69,16 +80,20 @@ class Options:
     """Fuzzed messages with the run's keys (and a tenth as many without)."""
     soak_steps: int = 2000
     """Steps of the soak run."""
-    parts: list[str] = field(default_factory=lambda: ["kills", "goodput", "fuzz", "soak"])
+    checkpoint_model: str = "builtin:smollm2"
+    """model.path of the checkpoint-cost runs ("" for the tiny default)."""
+    checkpoint_steps: int = 8
+    """Steps of each checkpoint-cost run."""
+    parts: list[str] = field(default_factory=lambda: ["kills", "goodput", "checkpoint", "fuzz", "soak"])
     """Which parts to run."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "at", "every", "checkpoint_every", "fuzz_frames", "soak_steps"):
+        for name in ("steps", "at", "every", "checkpoint_every", "fuzz_frames", "soak_steps", "checkpoint_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"faults.{name} must be >= 1 (got {getattr(self, name)})")
-        unknown = set(self.parts) - {"kills", "goodput", "fuzz", "soak"}
+        unknown = set(self.parts) - set(PARTS)
         if unknown:
-            raise ConfigError(f"faults.parts: unknown {sorted(unknown)}; known: kills, goodput, fuzz, soak")
+            raise ConfigError(f"faults.parts: unknown {sorted(unknown)}; known: {', '.join(PARTS)}")
         if self.at >= self.steps:
             raise ConfigError(f"faults.at = {self.at} must be < faults.steps = {self.steps}")
 
@@ -92,12 +107,13 @@ class Outcome:
     steps_twice: int
 
 
-def _launch(run_dir: Path, items: list[str], resume: bool = False) -> subprocess.Popen[bytes]:
+def _launch(run_dir: Path, items: list[str], resume: bool = False, failpoint: str = "") -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"]
     if resume:
         cmd += ["--resume", str(run_dir)]
+    env = {**os.environ, FAILPOINT_ENV: failpoint} if failpoint else None
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").open("ab")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def _steps(run_dir: Path) -> int:
@@ -115,10 +131,11 @@ def _wait(proc: subprocess.Popen[bytes], run_dir: Path, steps: int, timeout_s: f
     return True
 
 
-def _kill(run_dir: Path, role: str, index: int, sig: signal.Signals = signal.SIGKILL) -> None:
+def _kill(run_dir: Path, role: str, index: int, sig: signal.Signals = signal.SIGKILL) -> bool:
     pid = role_processes(run_dir).get(f"{role}-{index}")
     if pid is not None:
         os.kill(pid, sig)
+    return pid is not None
 
 
 def _audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: bool) -> Outcome:
@@ -154,11 +171,15 @@ def _audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: 
     )
 
 
-def _run(run_dir: Path, items: list[str], kills: list[tuple[int, str, int, signal.Signals]], restart_all: bool) -> float:
+def _run(
+    run_dir: Path, items: list[str], kills: list[tuple[int, str, int, signal.Signals]], restart_all: bool,
+    failpoint: str = "",
+) -> tuple[float, int]:
     """One run, killing ``(after_step, role, index, signal)`` in order (the whole job when
-    ``restart_all``, then ``--resume``); returns the wall seconds of all its launchers."""
-    start = time.perf_counter()
-    proc = _launch(run_dir, items)
+    ``restart_all``, then ``--resume``), and with ``failpoint`` armed (``yatt.trace``);
+    returns the wall seconds of all its launchers and how many kills found their process."""
+    start, landed = time.perf_counter(), 0
+    proc = _launch(run_dir, items, failpoint=failpoint)
     for after, role, index, sig in kills:
         if not _wait(proc, run_dir, after):
             break
@@ -173,10 +194,11 @@ def _run(run_dir: Path, items: list[str], kills: list[tuple[int, str, int, signa
                 proc = _launch(run_dir, items)
             else:
                 proc = _launch(run_dir, items, resume=True)
+            landed += 1
         else:
-            _kill(run_dir, role, index, sig)
+            landed += _kill(run_dir, role, index, sig)
     proc.wait(timeout=1800)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, landed
 
 
 @dataclass(kw_only=True)
@@ -227,24 +249,80 @@ def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Res
     return result
 
 
+@dataclass(frozen=True, kw_only=True)
+class Kill:
+    """One kill run: a signal to ``role-index`` once ``faults.at`` steps are done, or, to
+    land inside a stage of milliseconds, a failpoint (``yatt.trace``) armed from the start."""
+
+    name: str
+    label: str
+    role: str = ""
+    index: int = 0
+    sig: signal.Signals = signal.SIGKILL
+    failpoint: str = ""
+    items: tuple[str, ...] = ()
+
+
+def kill_cases(opts: Options, tensors: int, quick: bool) -> list[Kill]:
+    """Every role after step ``at``, the buffer hung, and the kills inside a stage: rank 0
+    halfway through a weight push (one tensor per bucket, ``tensors`` buckets a push),
+    the generator loading weights, each rank writing the first checkpoint after step ``at``."""
+    cases = [Kill(name=f"{r}{i}", label=f"{r}-{i}", role=r, index=i) for r, i in (ROTATION[:2] if quick else ROTATION)]
+    if quick:
+        return cases
+    checkpoint = opts.at // opts.checkpoint_every + 1  # its n-th checkpoint, the first after step `at`
+    return [
+        *cases,
+        Kill(name="buffer0_stop", label="buffer-0 (SIGSTOP)", role="buffer", sig=signal.SIGSTOP),
+        Kill(
+            name="trainer0_push", label=f"trainer-0 in a weight push (bucket {tensors // 2 + 1} of {tensors}, step {opts.at + 1})",
+            failpoint=f"trainer-0:weight_bucket:{opts.at * tensors + tensors // 2 + 1}",
+            items=("trainer.weight_bucket_mb=0.0001",),
+        ),
+        Kill(name="generator0_load", label=f"generator-0 loading weights (version {opts.at + 1})",
+             failpoint=f"generator-0:weight_load:{opts.at + 1}"),
+        *(
+            Kill(name=f"trainer{rank}_ckpt", label=f"trainer-{rank} writing checkpoint step_{checkpoint * opts.checkpoint_every}",
+                 failpoint=f"trainer-{rank}:checkpoint_write:{checkpoint}")
+            for rank in (0, 1)
+        ),
+    ]
+
+
+def _tensors_per_push(tmp: Path) -> int:
+    """Tensors of the default job's model (one bucket each with a tiny bucket size)."""
+    from safetensors import safe_open
+
+    from workers.models import build_tiny_model
+
+    with safe_open(str(build_tiny_model(tmp / "tiny-model") / "model.safetensors"), "pt") as f:
+        return len(list(f.keys()))
+
+
 def _kills(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
     seed, f = load_run_config(None).run.seed, result.figures
-    table = ["role | kills | finished unattended | groups lost | groups duplicated | steps trained twice | wall s"]
-    roles = ROTATION[:2] if quick else ROTATION
-    cases = [(role, index, signal.SIGKILL) for role, index in roles] + ([] if quick else [("buffer", 0, signal.SIGSTOP)])
-    for role, index, sig in cases:
-        name = f"{role}{index}" + ("_stop" if sig == signal.SIGSTOP else "")
-        run_dir = tmp / name
-        wall = _run(run_dir, items, [(opts.at, role, index, sig)], False)
+    table = ["role killed | kill landed | finished unattended | groups lost | groups duplicated | steps trained twice | wall s"]
+    for case in kill_cases(opts, _tensors_per_push(tmp), quick):
+        run_dir = tmp / case.name
+        if case.failpoint:
+            wall, _ = _run(run_dir, [*items, *case.items], [], False, failpoint=case.failpoint)
+            landed = (run_dir / "failpoints" / case.failpoint.replace(":", "_")).exists()
+        else:
+            wall, signalled = _run(run_dir, items, [(opts.at, case.role, case.index, case.sig)], False)
+            landed = signalled == 1
         out = _audit(run_dir, seed, DEFAULT_GENERATED, wall, _steps(run_dir) == opts.steps)
-        label = f"{role}-{index}" + (" (SIGSTOP)" if sig == signal.SIGSTOP else "")
-        table.append(f"{label} | 1 | {'yes' if out.finished else 'NO'} | {out.lost} | {out.duplicated} | {out.steps_twice} | {wall:.0f}")
-        f[f"kill_{name}_finished"] = float(out.finished)
-        f[f"kill_{name}_groups_lost"] = float(out.lost)
-        f[f"kill_{name}_groups_duplicated"] = float(out.duplicated)
-        f[f"kill_{name}_steps_trained_twice"] = float(out.steps_twice)
+        table.append(
+            f"{case.label} | {'yes' if landed else 'NO'} | {'yes' if out.finished else 'NO'} | {out.lost} | "
+            f"{out.duplicated} | {out.steps_twice} | {wall:.0f}"
+        )
+        f[f"kill_{case.name}_landed"] = float(landed)
+        f[f"kill_{case.name}_finished"] = float(out.finished)
+        f[f"kill_{case.name}_groups_lost"] = float(out.lost)
+        f[f"kill_{case.name}_groups_duplicated"] = float(out.duplicated)
+        f[f"kill_{case.name}_steps_trained_twice"] = float(out.steps_twice)
     result.notes.append(
-        f"kills (default job, disaggregated, {opts.steps} steps, checkpoint every {opts.checkpoint_every}, kill after step {opts.at}):"
+        f"kills (default job, disaggregated, {opts.steps} steps, checkpoint every {opts.checkpoint_every}, "
+        f"signals after step {opts.at}, failpoints in the stage named):"
     )
     result.notes.extend(table)
 
@@ -254,7 +332,7 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     kills = [(k, *ROTATION[(k // opts.every - 1) % len(ROTATION)], signal.SIGKILL) for k in range(opts.every, opts.steps, opts.every)]
     for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
         run_dir = tmp / name
-        wall = _run(run_dir, items, plan, restart_all)
+        wall, _ = _run(run_dir, items, plan, restart_all)
         out = _audit(run_dir, seed, DEFAULT_GENERATED, wall, _steps(run_dir) == opts.steps)
         f[f"wall_s_{name}"] = wall
         f[f"goodput_{name}"] = f["wall_s_undisturbed"] / wall
@@ -267,6 +345,43 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
         f"goodput: a failure every {opts.every} steps ({len(kills)} in the run) cycling through "
         + ", ".join(f"{role}-{i}" for role, i in ROTATION)
         + "; restart_all kills the whole job at the same steps and resumes it with --resume"
+    )
+
+
+def _checkpoint_cost(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
+    """What a checkpoint every step costs a step: the same job with a checkpoint only at the
+    end, then one every step written synchronously, then in the background."""
+    import statistics
+
+    f = result.figures
+    job = [
+        f"run.steps={opts.checkpoint_steps}", "placement.layout=disaggregated", f"model.path={opts.checkpoint_model}",
+        "buffer.groups_per_step=4", "buffer.group_size=4",
+    ]
+    for name, extra in (
+        ("none", ["trainer.checkpoint_every=0"]),
+        ("sync", ["trainer.checkpoint_every=1", "trainer.checkpoint_async=false"]),
+        ("async", ["trainer.checkpoint_every=1", "trainer.checkpoint_async=true"]),
+    ):
+        run_dir = tmp / f"checkpoint_{name}"
+        _run(run_dir, [*job, *extra], [], False)
+        lines = read_metrics(run_dir / "metrics.jsonl")[1:-1]  # not the warm-up, nor the final (synchronous) save
+        if not lines:
+            raise RuntimeError(f"the {name} checkpoint run trained no step; see {tmp / (run_dir.name + '.launcher.log')}")
+        f[f"checkpoint_{name}_step_s"] = statistics.median(m["time/step_s"] for m in lines)
+        f[f"checkpoint_{name}_in_step_s"] = statistics.median(m["time/checkpoint_s"] for m in lines)
+    state = tmp / "checkpoint_sync" / "checkpoints" / "step_1" / "trainer"
+    f["checkpoint_state_mb"] = sum(p.stat().st_size for p in state.iterdir()) / 2**20
+    for name in ("sync", "async"):
+        f[f"checkpoint_{name}_cost_per_step_s"] = f[f"checkpoint_{name}_step_s"] - f["checkpoint_none_step_s"]
+        result.ratios[f"step_time_checkpoint_{name}_vs_none"] = f[f"checkpoint_{name}_step_s"] / f["checkpoint_none_step_s"]
+    result.notes.append(
+        f"checkpoint cost ({opts.checkpoint_model or 'tiny'} model, {f['checkpoint_state_mb']:.0f} MB of state, "
+        f"{opts.checkpoint_steps} steps, median step of steps 1..{opts.checkpoint_steps - 2}): "
+        + "; ".join(
+            f"{n}: {f[f'checkpoint_{n}_step_s']:.2f} s/step, {f[f'checkpoint_{n}_in_step_s']:.2f} s of it in the checkpoint"
+            for n in ("none", "sync", "async")
+        )
     )
 
 
@@ -304,4 +419,4 @@ def _soak(tmp: Path, opts: Options, items: list[str], result: Result, quick: boo
     )
 
 
-PARTS = {"kills": _kills, "goodput": _goodput, "fuzz": _fuzz, "soak": _soak}
+PARTS = {"kills": _kills, "goodput": _goodput, "checkpoint": _checkpoint_cost, "fuzz": _fuzz, "soak": _soak}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from launch.config import RunConfig, dump_run_config
 from launch.placement import describe, make_plan, write_plan
 from launch.plan import this_machine
 from protocols.messages import Ack, Query
+from yatt import trace
 from yatt.errors import (
     RUN_STOPPED_EXIT,
     ActorFailed,
@@ -79,11 +81,13 @@ class Proc:
         return f"{self.role}-{self.index}"
 
 
-def free_port(host: str) -> int:
-    """A port the OS says is free now (for torch.distributed's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def loopback_interface(host: str) -> str | None:
+    """The network interface holding loopback address ``host`` (Linux: lo), else None."""
+    import psutil
+
+    if not ipaddress.ip_address(host).is_loopback:
+        return None
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == host for a in addrs)), None)
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -194,6 +198,8 @@ class LocalLauncher:
         self.model_path = Path()
         self.registry_endpoint = ""
         self.master_port = 0
+        self._store: object = None  # the trainer ranks' torch.distributed TCPStore
+        self._registry: Registry | None = None
         self.host = cfg.run.host
         """The address of the registry and of the torch.distributed rendezvous."""
         self.plan: Plan | None = None
@@ -232,8 +238,25 @@ class LocalLauncher:
         return f"tcp://{self.host}:*", f"tcp://{self.host}:*"
 
     def rendezvous_port(self) -> int:
-        """The torch.distributed port of the trainer ranks (here rank 0 hosts the store)."""
-        return free_port(self.host)
+        """The port of the trainer ranks' torch.distributed store, a fresh one per group."""
+        return self.host_store(0)
+
+    def host_store(self, port: int) -> int:
+        """Host the trainer ranks' torch.distributed store in this process, listening on
+        ``self.host`` only (a TCPStore binds every interface unless handed its socket), on
+        ``port`` (0: a free one); the ranks connect as clients (TORCHELASTIC_USE_AGENT_STORE),
+        a restarted group on a fresh store. Returns the port."""
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public; torch's stubs miss it
+
+        self._store = None  # a TCPStore closes its socket when it goes
+        listener = socket.create_server((self.host, port))  # SO_REUSEADDR: the same port again
+        bound, fd = int(listener.getsockname()[1]), listener.detach()  # the store owns the socket
+        try:
+            self._store = TCPStore(self.host, bound, None, True, wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return bound
 
     async def run(self) -> int:
         """Run to completion; 0 on success, 1 when a role failed, 2 on a config error, 130 on Ctrl-C."""
@@ -258,7 +281,7 @@ class LocalLauncher:
             loop.add_signal_handler(sig, stop.set)
         async with Transport(self.cfg.transport) as transport:
             endpoint, publish_endpoint = self.registry_endpoints()
-            registry = Registry(transport, endpoint=endpoint, publish_endpoint=publish_endpoint)
+            registry = self._registry = Registry(transport, endpoint=endpoint, publish_endpoint=publish_endpoint)
             self.registry_endpoint = await registry.start()
             try:
                 self.master_port = self.rendezvous_port()
@@ -280,6 +303,8 @@ class LocalLauncher:
         """What can be checked before any process starts: the run dir, the model, the data
         (read and tokenised as the roles will), the placement."""
         check_run_dir(self.run_dir, self.resume)
+        if failpoint := os.environ.get(trace.FAILPOINT_ENV):
+            trace.parse_failpoint(failpoint)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
@@ -330,10 +355,14 @@ class LocalLauncher:
             env.update(
                 MASTER_ADDR=self.host,
                 MASTER_PORT=str(self.master_port),
+                TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store
                 RANK=str(index),
                 WORLD_SIZE=str(self.cfg.trainer.world_size),
                 LOCAL_RANK=str(index),
             )
+            interface = loopback_interface(self.host)
+            if interface:  # gloo's own sockets: loopback only, as everything else of the run
+                env["GLOO_SOCKET_IFNAME"] = interface
         gpus = self._gpus_of(role, index)
         if gpus:  # each process sees only its slots' GPUs (a trainer rank: its one GPU, as cuda:0)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
@@ -394,6 +423,7 @@ class LocalLauncher:
                     code = p.popen.poll()
                     if code is None:
                         continue
+                    await self._forget([p])
                     if p.role == "trainer" and p.index == 0 and code == 0:
                         progress.update()
                         return 0
@@ -450,6 +480,7 @@ class LocalLauncher:
         as a new incarnation (the generators take its weights, older ones are refused)."""
         ranks = [p for p in self.procs if p.role == "trainer"]
         await self._stop(ranks)
+        await self._forget(ranks)
         checkpoint = latest_checkpoint(self.run_dir)
         print(f"yatt: restarting the trainer group from {checkpoint or 'the start'}", file=sys.stderr, flush=True)
         args = {"dir": str(checkpoint)} if checkpoint is not None else {}
@@ -467,6 +498,13 @@ class LocalLauncher:
         for p in ranks:
             self.procs[self.procs.index(p)] = self._spawn("trainer", p.index, restarts=p.restarts + 1)
         print(f"yatt: buffer rewound to step {reply.info.get('step')}; trainer group incarnation {self.incarnation}", file=sys.stderr, flush=True)
+
+    async def _forget(self, procs: list[Proc]) -> None:
+        """Drop the registry entries of processes seen to exit (a process on this machine:
+        its pid; SLURM steps are dropped at their heartbeat limit)."""
+        if self._registry is not None:
+            for p in procs:
+                await self._registry.drop_process(p.popen.pid)
 
     def roles_report(self) -> str:
         """Each role process: alive or its exit code, its restarts, the tail of its log."""

@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args.host = args.host or cfg.run.host
     if cfg.run.trace:
         trace.configure(args.run_dir / "trace" / f"{args.role}-{args.index}.jsonl")
+    if failpoint := os.environ.get(trace.FAILPOINT_ENV):
+        trace.arm_failpoint(failpoint, f"{args.role}-{args.index}", args.run_dir / "failpoints")
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -421,7 +421,6 @@ class SlurmLauncher(LocalLauncher):
         self.cpus = cpus
         self.job_id = job_id
         self.host = addresses[0]
-        self._store: object = None  # the torch.distributed TCPStore, alive while the run is
         self.mem_mb = slurm_mem_mb()
 
     def registry_endpoints(self) -> tuple[str, str]:
@@ -431,23 +430,17 @@ class SlurmLauncher(LocalLauncher):
         return f"tcp://{self.host}:{port}", f"tcp://{self.host}:{port + 1}"
 
     def rendezvous_port(self) -> int:
-        """Host the torch.distributed store here, so the ranks meet on the first node
-        wherever rank 0 runs (they connect as clients: TORCHELASTIC_USE_AGENT_STORE)."""
-        # Public API; torch's stubs only miss the re-export from torch._C.
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
+        """Host the store here, on the first node, so the ranks meet wherever rank 0 runs."""
         port = self.cfg.slurm.head_port + 2 if self.cfg.slurm.head_port else 0
-        self._store = None  # a restarted trainer group meets on a fresh store (on the same port)
         try:
-            store = TCPStore(self.host, port, None, True, wait_for_workers=False)
-        except RuntimeError as e:
+            port = self.host_store(port)
+        except (OSError, RuntimeError) as e:
             raise ConfigError(
                 f"cannot host the torch.distributed store on {self.nodes[0]} ({self.host}:{port}): {e}. "
                 "If the port is in use, set slurm.head_port to a free one, or 0 for any free ports"
             ) from e
-        self._store = store
-        self._record(store.port)
-        return int(store.port)
+        self._record(port)
+        return port
 
     def _record(self, store_port: int) -> None:
         """Write the job and its addresses into the run dir (one line per attempt)."""
@@ -509,7 +502,7 @@ class SlurmLauncher(LocalLauncher):
         env.pop("YATT_LAUNCHER_PID", None)  # a step's parent is slurmstepd: the steps end with the job
         if role == "trainer":
             # Every rank is its own step and sees only its own GPU, as cuda:0.
-            env.update(TORCHELASTIC_USE_AGENT_STORE="True", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         return env
 
 

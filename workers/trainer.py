@@ -76,6 +76,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
 
@@ -83,7 +84,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -91,7 +93,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (  # private, torch pinned: traced (run.trace)
@@ -193,6 +197,10 @@ class Trainer:
             else None
         )
         self._holds_batch = trainer.mini_batches > 1 or algorithm.ppo_epochs > 1 or algorithm.batch_wide
+        # Background checkpoint writes run their collectives on a group of their own, so
+        # they never interleave with the training step's (gloo: a CPU group on GPU too).
+        self._checkpoint_group = dist.new_group(backend="gloo")
+        self._writing: Future[None] | None = None  # the background save in flight
         self._step = 0
         self._gathered = False  # gather_policy: full weights resident for the colocated engine
         self._optimizer_steps = 0
@@ -638,22 +646,57 @@ class Trainer:
             state[f"{name}_scheduler"] = scheduler.state_dict()
         return state
 
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Save model, optimizer, schedule, step and this rank's RNG state; collective."""
+    def save_checkpoint(self, directory: str | Path, *, background: bool = False) -> Future[None]:
+        """Save model, optimizer, schedule, step and this rank's RNG state; collective.
+
+        ``background``: copy the state to host memory now, write it in a thread (DCP
+        ``async_save``) while training goes on; the returned future completes when every
+        rank's files and the ``.metadata`` are written, and raises ``StorageError`` for a
+        failed write. Otherwise it returns completed. A save first waits for the previous one."""
         self._between_steps("save_checkpoint")
+        self.wait_for_checkpoint()
         state = self._state()
         state[_rng_key(self.rank)] = _rng_state()
+        result: Future[None] = Future()
         try:
-            dcp_save(state, checkpoint_id=str(directory))
-        except Exception as e:  # DCP wraps each rank's OSError (a full disk) in a CheckpointException
-            if isinstance(e, OSError) or "No space left" in str(e):
-                raise storage_error(directory, e) from e
-            raise
+            if not background:
+                dcp_save(state, storage_writer=_TracedWriter(directory))
+                result.set_result(None)
+                return result
+            # The writer also stages: a blocking copy of every tensor into host memory.
+            written = dcp_async_save(state, storage_writer=_TracedWriter(directory), process_group=self._checkpoint_group)
+        except Exception as e:
+            error = _checkpoint_error(directory, e)
+            if error is e:
+                raise
+            raise error from e
+        assert isinstance(written, Future)  # the thread executor's (not the AsyncSaveResponse of a stager)
+
+        def done(f: Future[Any]) -> None:
+            failed = f.exception()
+            if failed is None:
+                result.set_result(None)
+                return
+            error = _checkpoint_error(directory, failed)
+            if error is not failed:
+                error.__cause__ = failed
+            result.set_exception(error)
+
+        written.add_done_callback(done)
+        self._writing = result
+        return result
+
+    def wait_for_checkpoint(self) -> None:
+        """Until the background save in flight (if any) is written; raises its error."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore what ``save_checkpoint`` wrote; the world size may differ (DCP reshards),
         in which case the RNG is reseeded from the seed, step and rank."""
         self._between_steps("load_checkpoint")
+        self.wait_for_checkpoint()
         path = Path(directory)
         if not (path / ".metadata").exists():
             raise ConfigError(f"checkpoint directory {str(path)!r} holds no DCP checkpoint (no .metadata)")
@@ -884,6 +927,22 @@ def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(
         mask, values.double(), torch.zeros((), dtype=torch.float64, device=values.device)
     ).sum()
+
+
+class _TracedWriter(FileSystemWriter):
+    """DCP's file writer, its writes traced as ``checkpoint_write`` spans (this rank's files,
+    in the background thread when the save is)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        with trace.span("checkpoint_write"):
+            return super().write_data(plan, planner)
+
+
+def _checkpoint_error(directory: str | Path, error: BaseException) -> BaseException:
+    """DCP wraps each rank's OSError (a full disk) in a CheckpointException: say it plainly."""
+    if isinstance(error, OSError) or "No space left" in str(error):
+        return storage_error(directory, error)
+    return error
 
 
 def _rng_key(rank: int) -> str:

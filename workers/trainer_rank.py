@@ -7,8 +7,10 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
     Trainer.weight_buckets(k+1)                 (collective; rank 0 gets the full tensors)
     rank 0: WeightUpdate buckets -> every generator, waits for their Acks
             PolicyVersion(k+1)   -> buffer (re-opens the dispatch window when on-policy)
-    every trainer.checkpoint_every steps and at the end: DCP checkpoint + the buffer's
-            state and ledger copy into checkpoints/step_{k+1}, then its ``done`` marker
+    every trainer.checkpoint_every steps and at the end: DCP checkpoint of step k+1 into
+            checkpoints/step_{k+1} (copied now, written in the background:
+            trainer.checkpoint_async), the buffer's ledger mark beside it; rank 0 writes its
+            ``done`` marker at the end of the first step that finds it written
     rank 0: one line of metrics.jsonl and TensorBoard scalars
 
 Layouts that take turns (``yatt.placement``): in the colocated layout every rank also
@@ -40,6 +42,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -148,6 +151,7 @@ class TrainerRank:
         self._synced: dict[str, int] = {}  # rank 0: generator actor id -> version it holds
         self._push_locks: dict[str, asyncio.Lock] = {}
         self._writer: SummaryWriter | None = None
+        self._saving: tuple[Path, int, Future[None]] | None = None  # the checkpoint being written
 
     @classmethod
     def create(
@@ -242,6 +246,7 @@ class TrainerRank:
         try:
             while self.trainer.step < self.cfg.steps and not stop.is_set():
                 await self._step(buffer, directory)
+            await self._mark_written(wait=True)
             if not stop.is_set():
                 await asyncio.to_thread(self.trainer.export_hf, self.run_dir / "final")
         finally:
@@ -316,6 +321,8 @@ class TrainerRank:
         if (every and version % every == 0) or version == self.cfg.steps:
             with trace.span("checkpoint"):
                 await self._checkpoint(buffer, version)
+        else:
+            await self._mark_written(wait=False)
         ckpt_s = time.perf_counter() - ckpt_start
         wake_start = time.perf_counter()
         if self.layout == "colocated" and version < self.cfg.steps:
@@ -395,11 +402,28 @@ class TrainerRank:
         ]
 
     async def _checkpoint(self, buffer: BufferLink, version: int) -> None:
+        """Save step ``version``: the trainer state is copied now (collective) and, with
+        ``trainer.checkpoint_async``, written while training goes on; the buffer records its
+        ledger mark now, for the same step. The checkpoint counts (``done``) once written."""
         directory = self.run_dir / "checkpoints" / f"step_{version}"
-        await asyncio.to_thread(self.trainer.save_checkpoint, directory / "trainer")
+        background = self.cfg.trainer.checkpoint_async and version < self.cfg.steps
+        writing = await asyncio.to_thread(self.trainer.save_checkpoint, directory / "trainer", background=background)
         if self.rank == 0:
             await buffer.request(Query(what="checkpoint", args={"dir": str(directory)}), Ack)
-        await asyncio.to_thread(dist.barrier)
+        self._saving = (directory, version, writing)
+        await self._mark_written(wait=not background)
+
+    async def _mark_written(self, *, wait: bool) -> None:
+        """Rank 0 writes the ``done`` marker of the checkpoint being saved once it is written
+        (DCP's coordinator writes ``.metadata`` after every rank's files, so rank 0's save
+        ends last); ``wait``: until then, else only when already written."""
+        if self._saving is None:
+            return
+        directory, version, writing = self._saving
+        if not (wait or writing.done()):
+            return
+        self._saving = None
+        await asyncio.to_thread(self.trainer.wait_for_checkpoint)  # raises a failed write's error
         if self.rank == 0:
             (directory / "done").write_text(json.dumps({"step": version, "time": time.time()}))
 
@@ -418,7 +442,8 @@ class TrainerRank:
             try:
                 client = directory.client(actor_id)
                 for bucket in self._buckets:
-                    await client.request(bucket, Ack, timeout=self.cfg.transport.request_timeout_s)
+                    with trace.span("weight_bucket"):
+                        await client.request(bucket, Ack, timeout=self.cfg.transport.request_timeout_s)
             except (KeyError, PeerLost, RequestTimeout, RemoteError):
                 return  # it left or died; the watcher pushes again if it comes back
             self._synced[actor_id] = version

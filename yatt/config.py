@@ -320,6 +320,9 @@ class TrainerConfig:
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps; 0: only at the end."""
+    checkpoint_async: bool = True
+    """Write checkpoints in a background thread (DCP async_save): a step pays for copying the
+    state into host memory, which holds that copy until it is written; the final one is synchronous."""
     weight_bucket_mb: float = 64.0
     """Size of one weight-update bucket sent to the generators."""
     weight_sync_every: int = 1

@@ -94,6 +94,18 @@ class Registry(Actor):
             await self._changed()
         return Ack(seq=self.epoch)
 
+    async def drop_process(self, pid: int) -> list[str]:
+        """Drop at once the members served by process ``pid`` (their ``pid`` meta), which
+        its launcher saw exit: peers re-issue their work now, not after the heartbeat limit."""
+        dead = [a for a, w in self._members.items() if w.meta.get("pid") == str(pid)]
+        for actor_id in dead:
+            self._last_seen.pop(actor_id, None)
+            worker = self._members.pop(actor_id)
+            logger.info("registry: %s (%s) left with its process %d", actor_id, worker.role, pid)
+        if dead:
+            await self._changed()
+        return dead
+
     @handles(Query)
     async def _query(self, msg: Query) -> Message:
         if msg.what == "members":

@@ -18,23 +18,37 @@ the engine) and ``weight_load``; reward ``score`` (inside the scorers); buffer `
 (a decision) and ``ledger_commit`` (one fsync for the decisions of one turn); trainer
 ranks ``wait_for_buffer``, ``forward_backward``, ``optimizer`` (gradient reduction,
 clip, step), ``weight_gather``, ``weight_push`` (rank 0: buckets to every generator,
-then the new version to the buffer), ``checkpoint``, ``step`` (one trainer step, end
+then the new version to the buffer; ``weight_bucket``: one bucket to one generator,
+acknowledged), ``checkpoint``, ``step`` (one trainer step, end
 to end), ``wake`` / ``sleep`` (the colocated rank's engine given the weights / put
 away), and the collectives nested in the compute spans: ``all_reduce``, ``all_gather``
 and ``reduce_scatter`` (FSDP2's, traced through its custom-collective hooks); the reward
-scorers' ``pool_round_trip`` (a sample to the process pool and its score back).
+scorers' ``pool_round_trip`` (a sample to the process pool and its score back); trainer
+ranks' ``checkpoint_write`` (this rank's checkpoint files, in a background thread with
+``trainer.checkpoint_async``).
+
+Failpoints: with ``YATT_FAILPOINT=PROCESS:KIND:N`` in its environment (e.g.
+``trainer-1:checkpoint_write:2``), that role process SIGKILLs itself as it enters its
+N-th span of KIND, traced or not: how the faults benchmark and the kill tests land a kill
+inside a stage of a few milliseconds (a weight push, a checkpoint write). It fires once
+per run: a marker file in ``<run_dir>/failpoints`` keeps the restarted process running.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
+
+from yatt.errors import ConfigError
 
 CPU_SAMPLE_S = 0.5
 """How often a traced process writes its CPU time (user + system, this process's threads)."""
@@ -43,6 +57,48 @@ _lock = threading.Lock()
 _file: IO[str] | None = None
 _wall0 = time.time()
 _sampler: threading.Thread | None = None
+
+FAILPOINT_ENV = "YATT_FAILPOINT"
+
+
+class _Failpoint:
+    def __init__(self, spec: str, kind: str, nth: int, marker: Path) -> None:
+        self.spec, self.kind, self.nth, self.marker = spec, kind, nth, marker
+        self.entered = 0
+
+    def enter(self) -> None:
+        with _lock:
+            self.entered += 1
+            if self.entered != self.nth:
+                return
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"{time.time()}\n")
+            sys.stderr.write(f"failpoint {self.spec}: SIGKILL entering span {self.kind!r} #{self.nth}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+_failpoint: _Failpoint | None = None
+
+
+def parse_failpoint(spec: str) -> tuple[str, str, int]:
+    """``PROCESS:KIND:N`` -> (process, kind, n); ConfigError naming the variable otherwise."""
+    parts = spec.split(":")
+    if len(parts) != 3 or not all(parts) or not parts[2].isdigit() or int(parts[2]) < 1:
+        raise ConfigError(
+            f"{FAILPOINT_ENV}={spec!r}: expected PROCESS:SPAN_KIND:N with N >= 1, e.g. trainer-1:checkpoint_write:2"
+        )
+    return parts[0], parts[1], int(parts[2])
+
+
+def arm_failpoint(spec: str, process: str, markers: Path) -> None:
+    """Arm ``spec`` in this process when it names ``process`` (``role-index``) and has not
+    fired in this run yet (no marker in ``markers``)."""
+    global _failpoint
+    who, kind, nth = parse_failpoint(spec)
+    marker = markers / spec.replace(":", "_")
+    if who == process and not marker.exists():
+        _failpoint = _Failpoint(spec, kind, nth, marker)
 
 
 def configure(path: Path | None) -> None:
@@ -85,6 +141,8 @@ def record(kind: str, start: float, duration: float) -> None:
 @contextmanager
 def span(kind: str) -> Iterator[None]:
     """Time the body as one span of ``kind`` (also across ``await`` and in threads)."""
+    if _failpoint is not None and kind == _failpoint.kind:
+        _failpoint.enter()
     if _file is None:
         yield
         return

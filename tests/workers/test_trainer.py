@@ -174,8 +174,10 @@ def two_ranks(rank: int, model_dir: str, out: str, ckpt: str, export: str) -> No
     trainer = make_trainer(model_dir, activation_checkpointing=True, **schedule)
     nll, steps = [batch_nll(trainer, batch)], []
     for step in range(10):
-        if step == 5:
-            trainer.save_checkpoint(ckpt)
+        if step == 5:  # written in the background while steps 5 and 6 train
+            writing = trainer.save_checkpoint(ckpt, background=True)
+        if step == 7:
+            writing.result()
         steps.append(trainer.train_step(rank_batches(supervised(batch), SPLITS_2[rank], step, rank)))
         if step == 5:
             results["after_resume_step"] = {

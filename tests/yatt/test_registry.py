@@ -186,6 +186,27 @@ async def test_member_leaving_fails_its_in_flight_requests(
             await asyncio.wait_for(call, 30)
 
 
+async def test_a_process_seen_to_exit_is_dropped_at_once(
+    fast_transport: Transport, registry: Registry, until: Until
+) -> None:
+    """The launcher saw the process exit: its members leave now (their in-flight requests
+    fail for re-issue), not after the heartbeat limit; other processes' members stay."""
+    a, b = Member(fast_transport, "gen-a"), Member(fast_transport, "gen-b")
+    async with a, b, Directory(fast_transport, registry.endpoint) as directory:
+        async with (
+            Registration(fast_transport, registry.endpoint, a.info(pid="4242")),
+            Registration(fast_transport, registry.endpoint, b.info(pid="7")),
+        ):
+            await directory.wait_until(lambda d: len(d.members()) == 2, timeout=10)
+            call = asyncio.ensure_future(directory.client("gen-a").request(Query(what="block"), timeout=60))
+            await until(lambda: a.blocked == 1, what="request in flight")
+            assert await registry.drop_process(4242) == ["gen-a"]
+            assert [w.actor_id for w in registry.members()] == ["gen-b"]
+            with pytest.raises(PeerLost, match="left the directory"):
+                await asyncio.wait_for(call, 10)  # alive and beating: only the drop fails it
+            assert await registry.drop_process(4242) == []
+
+
 async def test_registry_answers_queries(fast_transport: Transport, registry: Registry) -> None:
     member = Member(fast_transport, "gen-a")
     async with member, Registration(fast_transport, registry.endpoint, member.info()):

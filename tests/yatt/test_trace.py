@@ -8,7 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from yatt import trace
+from yatt.errors import ConfigError
 
 
 def _run(code: str) -> None:
@@ -55,3 +58,37 @@ def test_off_by_default_writes_nothing(tmp_path: Path) -> None:
     trace.record("score", 1.0, 1.0)
     assert not trace.enabled()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failpoint_kills_its_process_once_per_run_at_the_nth_span(tmp_path: Path) -> None:
+    code = f"""
+        import sys
+        from pathlib import Path
+        from yatt import trace
+        trace.arm_failpoint("trainer-1:checkpoint_write:3", sys.argv[1], Path({str(tmp_path)!r}))
+        for i in range(5):
+            with trace.span("weight_push"):
+                pass
+            with trace.span("checkpoint_write"):
+                print(i, flush=True)
+    """
+
+    def run(process: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), process], capture_output=True, text=True, timeout=60
+        )
+
+    other = run("trainer-0")  # not the process named
+    assert other.returncode == 0 and other.stdout.split() == ["0", "1", "2", "3", "4"]
+    killed = run("trainer-1")
+    assert killed.returncode == -9 and killed.stdout.split() == ["0", "1"]
+    assert "failpoint trainer-1:checkpoint_write:3: SIGKILL" in killed.stderr
+    assert (tmp_path / "trainer-1_checkpoint_write_3").exists()
+    restarted = run("trainer-1")  # the marker disarms it: the restarted process runs on
+    assert restarted.returncode == 0 and restarted.stdout.split() == ["0", "1", "2", "3", "4"]
+
+
+def test_a_malformed_failpoint_names_the_variable() -> None:
+    for spec in ("trainer-1:checkpoint_write", "trainer-1:checkpoint_write:0", "::1", "a:b:c"):
+        with pytest.raises(ConfigError, match="YATT_FAILPOINT=.*PROCESS:SPAN_KIND:N"):
+            trace.parse_failpoint(spec)

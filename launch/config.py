@@ -8,6 +8,7 @@ reads that file back, taking only its own section.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,15 @@ class RunSettings:
     stall_timeout_s: float = 1800.0
     """No new step for this long after READY stops the run, with every role's state and log
     tail (a hang is never silent); 0: wait for good."""
+    rollouts_per_step: int = 2
+    """Groups of each step (all their completions) written as text to <run_dir>/rollouts.jsonl
+    and TensorBoard's text tab, with rewards per scorer, advantages and failures; 0: none."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where metrics and rollouts go besides metrics.jsonl and rollouts.jsonl: tensorboard
+    (<run_dir>/tensorboard), wandb (the wandb extra; project run.wandb_project; WANDB_MODE=offline
+    writes <run_dir>/wandb without a network)."""
+    wandb_project: str = "yatt"
+    """The wandb project of run.report_to: [wandb]."""
     trace: bool = False
     """Write every role's spans to <run_dir>/trace/<role>-<index>.jsonl (yatt.trace; for timelines)."""
 
@@ -68,6 +78,14 @@ class RunSettings:
         require(self.num_rewards >= 1, "num_rewards", f"must be >= 1 (got {self.num_rewards})")
         require(self.restart_limit >= 0, "restart_limit", f"must be >= 0, 0 for no restarts (got {self.restart_limit})")
         require(self.ready_timeout_s > 0, "ready_timeout_s", f"must be > 0 seconds (got {self.ready_timeout_s})")
+        unknown = sorted(set(self.report_to) - {"tensorboard", "wandb"})
+        require(not unknown, "report_to", f"knows tensorboard and wandb, not {unknown}")
+        require(
+            "wandb" not in self.report_to or importlib.util.find_spec("wandb") is not None,
+            "report_to",
+            "includes wandb, which is not installed: pip install -e '.[wandb]' (WANDB_MODE=offline runs without a network)",
+        )
+        require(self.rollouts_per_step >= 0, "rollouts_per_step", f"must be >= 0, 0 for none (got {self.rollouts_per_step})")
         require(self.stall_timeout_s >= 0, "stall_timeout_s", f"must be >= 0, 0 to wait for good (got {self.stall_timeout_s})")
         require(
             self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127."),

@@ -90,6 +90,14 @@ def loopback_interface(host: str) -> str | None:
     return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == host for a in addrs)), None)
 
 
+def stop_message(path: Path) -> str:
+    """What a role that stopped the run (RUN_STOPPED_EXIT) said: its log from its last
+    "the run cannot go on" to the end (a scorer's traceback included)."""
+    text = log_tail(path, 200)
+    marker = "yatt: the run cannot go on: "
+    return text[text.rindex(marker) + len("yatt: "):] if marker in text else text.splitlines()[-1] if text else ""
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -308,9 +316,11 @@ class LocalLauncher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
+        from workers.scorers import check_custom_scorers
         from yatt.data import load_prompts
 
-        await asyncio.to_thread(load_prompts, self.cfg.data, str(self.model_path))
+        prompts = await asyncio.to_thread(load_prompts, self.cfg.data, str(self.model_path))
+        check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, checkpoint_step(self.resume))
         self.cfg = with_run_keys(self.cfg, self.run_dir)
@@ -428,7 +438,7 @@ class LocalLauncher:
                         progress.update()
                         return 0
                     if code == RUN_STOPPED_EXIT:
-                        raise ActorFailed(f"{p.name} stopped the run. {log_tail(p.log, 1).removeprefix('yatt: ')}")
+                        raise ActorFailed(f"{p.name} stopped the run. {stop_message(p.log)}")
                     if p.role in RESTARTABLE:
                         if p.restarts >= self.cfg.run.restart_limit:
                             raise ActorFailed(

@@ -161,6 +161,21 @@ class ScoredGroup(Message):
     advantages: Tensor  # [n] float32, per sequence (broadcast over its tokens)
     policy_versions: Tensor  # [n] int64, oldest version per sample (staleness uses it)
     finish_reasons: list[str]  # n
+    scores: dict[str, Tensor] = field(default_factory=dict)  # scorer name -> [n] float32, raw (Scores.components)
+    failures: list[str] = field(default_factory=list)  # n (or empty), "" where every scorer succeeded
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport(Message):
+    """What the buffer saw of one step's groups (every group it consumed for the step,
+    trained or filtered): reward, per-scorer, failure and length statistics, and a sample
+    of the groups themselves for the rollout log. Reply to Query("step_report")."""
+
+    KIND: ClassVar[bytes] = b"step.report"
+
+    step: int
+    values: dict[str, float]  # metric name -> value, e.g. "reward/mean", "response_length/clip_ratio"
+    groups: list[ScoredGroup]  # up to run.rollouts_per_step, trained ones first
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -355,6 +370,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     ScoreRequest,
     Scores,
     ScoredGroup,
+    StepReport,
     MicroBatchRequest,
     MicroBatch,
     PlanRequest,

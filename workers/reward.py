@@ -5,7 +5,9 @@ tokenizer only to hand text to the scorers, which see prompt, completion, the pr
 metadata (e.g. the reference answer) and the finish reason. The mix runs each scorer
 under a per-sample time limit (``workers.scorers``), so a scorer that hangs or raises
 scores that sample as failed, with the reason in ``Scores.failures``, and the worker
-goes on serving.
+goes on serving, until one scorer fails on more than ``reward.max_failure_share`` of its
+last samples: then it stops the run with the scorer's error and traceback (a reward that
+always fails would otherwise train on zeros and look like a model that does not learn).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from workers.scorers import RewardMix
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import RewardConfig
-from yatt.errors import ProtocolError
+from yatt.errors import ProtocolError, RunStopped
 from yatt.transport import Transport
 
 
@@ -46,6 +48,12 @@ class Reward(Actor):
         self.score_s = 0.0
         self.samples = 0
         self.failures = 0
+        self._stopping = False
+
+    async def _stop_with(self, error: BaseException) -> None:
+        """Fail the worker with ``error`` (a task that raises closes the actor; its process
+        exits with RUN_STOPPED_EXIT and the launcher stops the run with the message)."""
+        raise error
 
     @handles(ScoreRequest)
     async def score(self, msg: ScoreRequest) -> Scores:
@@ -64,6 +72,10 @@ class Reward(Actor):
         self.score_s += time.perf_counter() - start
         self.samples += len(results)
         self.failures += sum(bool(r.failure) for r in results)
+        failing = self.mix.failing()
+        if failing and not self._stopping:  # a broken scorer must not look like a model that does not learn
+            self._stopping = True
+            self.spawn(self._stop_with(RunStopped(failing)), name="failing scorer")
         names = list(results[0].components) if results else []
         return Scores(
             group_key=msg.group_key,

@@ -37,7 +37,9 @@ class ScoreResult:
 
 
 class Outcome(NamedTuple):
-    """One scorer's result for one sample: the score (0.0 if it failed) and why it failed, or ""."""
+    """One scorer's result for one sample: the score (0.0 if it failed), why it failed (or
+    ""), and the failure's traceback where there is one (a rule's, from its pool process)."""
 
     score: float
     failure: str = ""
+    detail: str = ""

@@ -35,10 +35,12 @@ dropped, and a queued call whose deadline has already passed is skipped, not run
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import ctypes
 import functools
 import importlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -49,15 +51,21 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from workers.score_types import Outcome, ScoreInput, ScoreResult
 from yatt import trace
 from yatt.config import RewardConfig, ScorerConfig
 from yatt.errors import ActorFailed, Closed, ConfigError
+
+FAILURE_WINDOW = 64
+"""The samples per scorer that reward.max_failure_share is judged over."""
+FAILURE_MIN_SAMPLES = 16
+"""No scorer stops the run on fewer samples than this."""
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier
@@ -203,26 +211,98 @@ def load_function(path: str) -> Callable[..., object]:
     return fn  # type: ignore[no-any-return]
 
 
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What a TRL-style reward function is given besides the prompt's metadata fields."""
+
+
+def reward_signature(fn: Callable[..., object]) -> Literal["sample", "trl"]:
+    """How a custom reward function is called: yatt's ``f(prompt, completion, metadata) ->
+    float`` per sample, or TRL's ``f(prompts, completions, **kwargs) -> list[float]`` (its
+    dataset columns, here the prompt's metadata fields, as keyword lists). TypeError naming
+    both otherwise."""
+    params = inspect.signature(fn).parameters
+    if "completions" in params:
+        return "trl"
+    positional = [
+        p for p in params.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]  # fmt: skip
+    if len(positional) == 3 or (len(positional) < 3 and any(p.kind == p.VAR_POSITIONAL for p in params.values())):
+        return "sample"
+    raise TypeError(
+        f"its signature is ({', '.join(str(p.replace(annotation=p.empty)) for p in params.values())}); a custom scorer is f(prompt, completion, metadata) -> float, "
+        "or TRL's f(prompts, completions, **kwargs) -> list[float] (kwargs: completion_ids and the prompt's metadata fields)"
+    )
+
+
+def trl_arguments_missing(fn: Callable[..., object], fields: set[str]) -> list[str]:
+    """The parameters a TRL-style function requires that neither TRL's arguments nor the
+    metadata ``fields`` provide."""
+    return [
+        name for name, p in inspect.signature(fn).parameters.items()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and name not in TRL_ARGUMENTS and name not in fields
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Custom:
-    """A user function ``f(prompt, completion, metadata) -> float``, sync or async.
+    """A user function, sync or async: ``f(prompt, completion, metadata) -> float``, or
+    TRL's ``f(prompts, completions, **kwargs) -> list[float]`` called with one sample
+    (a None score, TRL's "does not apply", counts 0).
 
     An async one runs in the pool too (under ``asyncio.run``): a coroutine that blocks its
     event loop would otherwise stall the reward worker.
     """
 
     function: str
+    style: Literal["sample", "trl"] = "sample"
 
     def prepare(self) -> None:
         load_function(self.function)
 
     def __call__(self, sample: ScoreInput) -> float:
-        value = load_function(self.function)(sample.prompt, sample.completion, dict(sample.metadata))
-        if asyncio.iscoroutine(value):
-            value = asyncio.run(value)
+        fn = load_function(self.function)
+        value: object
+        if self.style == "trl":
+            value = fn(**self._trl_kwargs(fn, sample))
+            if asyncio.iscoroutine(value):
+                value = asyncio.run(value)
+            if not isinstance(value, Sequence) or len(value) != 1:
+                raise TypeError(f"{self.function} returned {value!r}; a TRL-style reward returns one score per completion")
+            value = 0.0 if value[0] is None else value[0]
+        else:
+            value = fn(sample.prompt, sample.completion, dict(sample.metadata))
+            if asyncio.iscoroutine(value):
+                value = asyncio.run(value)
         if not isinstance(value, numbers.Real):
             raise TypeError(f"{self.function} returned {value!r}; a custom scorer must return a float")
         return float(value)
+
+    @staticmethod
+    def _trl_kwargs(fn: Callable[..., object], sample: ScoreInput) -> dict[str, object]:
+        given: dict[str, object] = {k: [v] for k, v in sample.metadata.items()}
+        given.update(prompts=[sample.prompt], completions=[sample.completion], completion_ids=[None])
+        params = inspect.signature(fn).parameters
+        if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return given
+        return {k: v for k, v in given.items() if k in params}
+
+
+def check_custom_scorers(config: RewardConfig, fields: set[str]) -> None:
+    """Before anything starts: every custom scorer imports and has a signature it can be
+    called with, given the prompts' metadata ``fields``; ConfigError naming the scorer."""
+    for i, sc in enumerate(config.scorers):
+        if sc.kind == "custom":
+            rule = _rule(sc, f"reward.scorers[{i}]")
+            assert isinstance(rule, Custom)
+            missing = trl_arguments_missing(load_function(sc.function), fields) if rule.style == "trl" else []
+            if missing:
+                raise ConfigError(
+                    f"reward.scorers[{i}].function = {sc.function!r} needs {missing}, which the prompts do not have "
+                    f"(their metadata fields: {sorted(fields)}; TRL's arguments: {list(TRL_ARGUMENTS)}); map the "
+                    "data column to it (data.answer_field) or give the parameter a default"
+                )
 
 
 def _die_with_parent() -> None:
@@ -367,7 +447,7 @@ class _PooledRule:
         except ScorerTimeout as e:
             return Outcome(0.0, str(e))
         except Exception as e:  # any error of a scorer is this sample's failure, recorded
-            return Outcome(0.0, f"{type(e).__name__}: {e}")
+            return Outcome(0.0, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
 
     def close(self) -> None:
         return None
@@ -410,7 +490,7 @@ class _ThreadedModel:
         except asyncio.TimeoutError:
             outcomes = None
         except Exception as e:  # a failed forward fails this batch only, recorded
-            return [Outcome(0.0, f"{type(e).__name__}: {e}")] * len(batch)
+            return [Outcome(0.0, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))] * len(batch)
         if outcomes is None:
             return [Outcome(0.0, f"timed out after {timeout_s}s (whole batch)")] * len(batch)
         assert len(outcomes) == len(batch), "a model scorer returns one outcome per sample"
@@ -444,14 +524,17 @@ def _rule(config: ScorerConfig, field: str) -> Rule:
         return ReasoningGym()
     assert config.kind == "custom", config.kind
     try:
-        load_function(config.function)
+        fn = load_function(config.function)
     except (ImportError, AttributeError, ValueError, TypeError) as e:
         raise ConfigError(
             f"{field}.function = {config.function!r} cannot be imported ({type(e).__name__}: {e}); "
             "use 'package.module:function' naming a function f(prompt, completion, metadata) -> float "
             "importable from the reward worker's Python path"
         ) from None
-    return Custom(config.function)
+    try:
+        return Custom(config.function, reward_signature(fn))
+    except TypeError as e:
+        raise ConfigError(f"{field}.function = {config.function!r}: {e}") from None
 
 
 class RewardMix:
@@ -467,6 +550,8 @@ class RewardMix:
         self._closed = False
         self._names: list[str] = []
         self._weights: list[float] = []
+        self._recent: dict[str, collections.deque[bool]] = {}  # scorer -> failed?, its last samples
+        self._last_error: dict[str, str] = {}  # scorer -> its last failure, with the traceback
         rules: dict[int, Rule] = {}
         for i, sc in enumerate(config.scorers):
             name = sc.name or sc.kind
@@ -477,6 +562,7 @@ class RewardMix:
                 )
             self._names.append(name)
             self._weights.append(sc.weight)
+            self._recent[name] = collections.deque(maxlen=FAILURE_WINDOW)
             if sc.kind not in ("reward_model", "judge"):
                 rules[i] = _rule(sc, f"reward.scorers[{i}]")
         self._scorers: list[_Scorer] = []
@@ -521,11 +607,33 @@ class RewardMix:
         columns = await asyncio.gather(*(scorer.score(batch, timeout_s) for scorer in self._scorers))
         results = []
         for row in zip(*columns, strict=True):
+            for name, outcome in zip(self._names, row, strict=True):
+                self._recent[name].append(bool(outcome.failure))
+                if outcome.failure:
+                    self._last_error[name] = outcome.detail or outcome.failure
             components = {name: outcome.score for name, outcome in zip(self._names, row, strict=True)}
             failures = [f"{name}: {o.failure}" for name, o in zip(self._names, row, strict=True) if o.failure]
             reward = sum(w * o.score for w, o in zip(self._weights, row, strict=True))
             results.append(ScoreResult(reward=reward, components=components, failure="; ".join(failures)))
         return results
+
+    def failing(self) -> str:
+        """Why the run should stop: a scorer failing on more than reward.max_failure_share
+        of its last samples (at least FAILURE_MIN_SAMPLES of them), with its last error; ""
+        while none is."""
+        share = self._config.max_failure_share
+        for i, name in enumerate(self._names):
+            recent = self._recent[name]
+            failed = sum(recent)
+            if len(recent) >= FAILURE_MIN_SAMPLES and failed > share * len(recent):
+                sc = self._config.scorers[i]
+                what = f"{sc.kind} {sc.function}" if sc.kind == "custom" else sc.kind
+                return (
+                    f"reward scorer {name!r} ({what}) failed on {failed} of its last {len(recent)} samples "
+                    f"(reward.max_failure_share = {share}); fix it, or raise reward.max_failure_share to go on "
+                    f"scoring failures as 0. Its last error:\n{self._last_error.get(name, '').rstrip()}"
+                )
+        return ""
 
     def close(self) -> None:
         """Stop the pool's processes and free the models."""

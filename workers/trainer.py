@@ -152,7 +152,7 @@ class Trainer:
             )
         if temperature < 0:
             raise ConfigError(f"controller.temperature must be >= 0 (got {temperature})")
-        self._config, self._algo, self._model_path = trainer, algorithm, model_path
+        self._config, self._algo, self.model_path = trainer, algorithm, model_path
         self._temperature = temperature or 1.0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = _device()
@@ -733,7 +733,7 @@ class Trainer:
         if self.rank == 0:
             out = Path(directory)
             out.mkdir(parents=True, exist_ok=True)
-            config = AutoConfig.from_pretrained(self._model_path)
+            config = AutoConfig.from_pretrained(self.model_path)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
             model.load_state_dict(
@@ -741,8 +741,8 @@ class Trainer:
             )
             model.config.dtype = self.compute_dtype
             model.save_pretrained(out)
-            AutoTokenizer.from_pretrained(self._model_path).save_pretrained(out)
-            generation = Path(self._model_path) / "generation_config.json"
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
+            generation = Path(self.model_path) / "generation_config.json"
             if generation.exists():
                 shutil.copy(generation, out / generation.name)
         del full

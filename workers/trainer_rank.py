@@ -40,12 +40,13 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,11 +59,13 @@ from protocols.messages import (
     MicroBatchRequest,
     PolicyVersion,
     Query,
+    StepReport,
     WeightUpdate,
     WorkerInfo,
 )
 from workers.engines.base import Engine
 from workers.generator import Generator
+from workers.run_log import RunLog
 from workers.trainer import Trainer
 from yatt import trace
 from yatt.actor import Actor, handles
@@ -70,9 +73,6 @@ from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerCo
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
 from yatt.registry import Directory
 from yatt.transport import Transport, TransportConfig
-
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +94,12 @@ class RankConfig:
     """The rollouts' sampling temperature (``controller.temperature``): log-probs are taken at it."""
     ready_timeout_s: float
     """How long to wait for the buffer to register (``run.ready_timeout_s``)."""
+    rollouts_per_step: int = 2
+    """Groups of each step written to rollouts.jsonl (``run.rollouts_per_step``)."""
+    report_to: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    """Metric sinks besides metrics.jsonl (``run.report_to``)."""
+    wandb_project: str = "yatt"
+    """``run.wandb_project``."""
     incarnation: int = 0
     """Restarts of the trainer group in this run: its weight updates carry it, so the
     generators take them over the weights of a group that died (even at a lower version)."""
@@ -150,7 +156,11 @@ class TrainerRank:
         self._buckets: list[WeightUpdate] = []  # rank 0: the last published version
         self._synced: dict[str, int] = {}  # rank 0: generator actor id -> version it holds
         self._push_locks: dict[str, asyncio.Lock] = {}
-        self._writer: SummaryWriter | None = None
+        self._log = (
+            RunLog(run_dir, trainer.model_path, report_to=cfg.report_to, wandb_project=cfg.wandb_project)
+            if trainer.rank == 0
+            else None
+        )
         self._saving: tuple[Path, int, Future[None]] | None = None  # the checkpoint being written
 
     @classmethod
@@ -255,8 +265,8 @@ class TrainerRank:
             if watcher is not None:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
-            if self._writer is not None:
-                self._writer.close()
+            if self._log is not None:
+                self._log.close()
         await asyncio.to_thread(dist.barrier)
         dist.destroy_process_group()
 
@@ -350,11 +360,15 @@ class TrainerRank:
                 line["time/switch_s"] = self.switch_s
                 self.switch_s = 0.0
             line.update({f"train/{k}": v for k, v in metrics.items()})
-            rewards = await buffer.request(Query(what="step_rewards", args={"step": str(step)}), Metrics)
-            line.update(rewards.values)
+            report = await buffer.request(
+                Query(what="step_report", args={"step": str(step), "rollouts": str(self.cfg.rollouts_per_step)}), StepReport
+            )
+            line.update(report.values)
             stats = await buffer.request(Query(what="stats"), Metrics)
             line.update(stats.values)
-            self._write_metrics(line)
+            assert self._log is not None
+            self._log.metrics(line)
+            await asyncio.to_thread(self._log.rollouts, step, report.groups)
 
     async def _take_turn(self, directory: Directory) -> None:
         """Hand the slots from the engines to training: the colocated rank pauses its own
@@ -408,6 +422,8 @@ class TrainerRank:
         directory = self.run_dir / "checkpoints" / f"step_{version}"
         background = self.cfg.trainer.checkpoint_async and version < self.cfg.steps
         writing = await asyncio.to_thread(self.trainer.save_checkpoint, directory / "trainer", background=background)
+        if self.cfg.trainer.checkpoint_hf:
+            await asyncio.to_thread(self.trainer.export_hf, directory / "hf")
         if self.rank == 0:
             await buffer.request(Query(what="checkpoint", args={"dir": str(directory)}), Ack)
         self._saving = (directory, version, writing)
@@ -426,6 +442,8 @@ class TrainerRank:
         await asyncio.to_thread(self.trainer.wait_for_checkpoint)  # raises a failed write's error
         if self.rank == 0:
             (directory / "done").write_text(json.dumps({"step": version, "time": time.time()}))
+            if self.cfg.trainer.keep_checkpoints:
+                await asyncio.to_thread(prune_checkpoints, self.run_dir / "checkpoints", self.cfg.trainer.keep_checkpoints)
 
     async def _push_all(self, directory: Directory) -> None:
         await asyncio.gather(*(self._push(directory, w.actor_id) for w in _external(directory)))
@@ -459,18 +477,21 @@ class TrainerRank:
             behind = [a for a in current if self._synced.get(a, -1) < (self._buckets[0].version if self._buckets else 0)]
             await asyncio.gather(*(self._push(directory, a) for a in behind))
 
-    def _write_metrics(self, line: dict[str, float]) -> None:
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(line) + "\n")
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter as Writer
 
-            self._writer = Writer(str(self.run_dir / "tensorboard"))
-        step = int(line["step"])
-        for key, value in line.items():
-            if key != "step":
-                self._writer.add_scalar(key, value, step)
-        self._writer.flush()
+def prune_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (``step_<k>/done``), and any
+    incomplete one older than the newest complete one (no resume or restart can take it);
+    returns what was deleted. A checkpoint newer than every complete one is being written."""
+    steps = sorted((d for d in checkpoints.glob("step_*") if d.name[5:].isdigit()), key=lambda d: int(d.name[5:]))
+    complete = [d for d in steps if (d / "done").exists()]
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    newest = int(complete[-1].name[5:])
+    gone = [d for d in steps if d not in kept and int(d.name[5:]) < newest]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
 
 
 COLOCATED_PREFIX = "generator-colocated-"

@@ -42,13 +42,14 @@ from protocols.messages import (
     PolicyVersion,
     Query,
     ScoredGroup,
+    StepReport,
 )
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import BufferConfig
 from yatt.errors import ConfigError, ProtocolError, RunStopped, StorageError
 from yatt.ledger import Ledger
-from yatt.sampling import SamplingBuffer
+from yatt.sampling import SamplingBuffer, step_report
 from yatt.transport import Transport
 
 MARK_FILE = "buffer.json"
@@ -242,11 +243,11 @@ class Buffer(Actor):
             self.core = self._rebuild()
             await self._notify()
             return Ack(info={"step": str(self.core.step)})
-        if msg.what == "step_rewards":
+        if msg.what == "step_report":
             step = int(msg.args["step"])
-            rewards = self.core.step_rewards.pop(step, [])
-            return Metrics(values={"reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"), "groups": float(len(rewards))})
-        raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_rewards")
+            values, groups = step_report(self.core.step_groups.pop(step, []), rollouts=int(msg.args.get("rollouts", "0")))
+            return StepReport(step=step, values=values, groups=groups)
+        raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_report")
 
     def _checkpoint_dir(self, msg: Query) -> Path:
         """A checkpoint directory of this run: nothing a message says makes the buffer write

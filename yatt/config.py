@@ -128,6 +128,10 @@ class RewardConfig:
     """Per-sample time limit of a scorer; past it the sample scores as failed (0)."""
     max_batch: int = 256
     """Most samples scored in one batch."""
+    max_failure_share: float = 0.5
+    """Stop the run when one scorer failed (raised, timed out, returned a non-number) on more
+    than this share of its last 64 samples (judged from 16 on), with its error and traceback;
+    1: never stop. Failed samples score 0 until then, and count in reward/failed_share."""
     processes: int = 2
     """Worker processes that run the rule and custom scorers."""
 
@@ -135,6 +139,7 @@ class RewardConfig:
         require(len(self.scorers) >= 1, "scorers", "must name at least one scorer")
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 (got {self.timeout_s})")
         require(self.max_batch >= 1, "max_batch", f"must be >= 1 (got {self.max_batch})")
+        require(0 <= self.max_failure_share <= 1, "max_failure_share", f"must be in [0, 1] (got {self.max_failure_share})")
         require(self.processes >= 1, "processes", f"must be >= 1 (got {self.processes})")
 
 
@@ -320,6 +325,12 @@ class TrainerConfig:
     """Recompute activations in backward to save memory."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps; 0: only at the end."""
+    keep_checkpoints: int = 0
+    """Keep the newest N complete checkpoints (the final one among them), deleting older ones
+    as each new one is written; 0: keep all."""
+    checkpoint_hf: bool = False
+    """Also export each checkpoint as a Hugging Face directory into its hf/ (safetensors,
+    config, tokenizer: loads in transformers and vLLM); synchronous."""
     checkpoint_async: bool = True
     """Write checkpoints in a background thread (DCP async_save): a step pays for copying the
     state into host memory, which holds that copy until it is written; the final one is synchronous."""
@@ -354,6 +365,7 @@ class TrainerConfig:
             "checkpoint_every",
             f"must be >= 0 steps, 0 for a checkpoint only at the end (got {self.checkpoint_every})",
         )
+        require(self.keep_checkpoints >= 0, "keep_checkpoints", f"must be >= 0, 0 to keep all (got {self.keep_checkpoints})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,9 +459,11 @@ class DataConfig:
     path: str = ""
     """jsonl/parquet: a file, or a directory whose .jsonl/.json (.parquet) files are read in name order."""
     prompt_field: str = "prompt"
-    """jsonl/parquet: the column holding the prompt, a string or a list of {role, content} messages."""
+    """jsonl/parquet: the column holding the prompt, a string or a list of {role, content} messages;
+    a dotted path reaches into nested fields (``question.text``)."""
     answer_field: str = "answer"
-    """jsonl/parquet: the column copied into metadata['answer']; empty: the data has no answers."""
+    """jsonl/parquet: the field copied into metadata['answer'], a dotted path for nested ones
+    (verl's parquet: ``reward_model.ground_truth``); empty: the data has no answers."""
     task: str = "digits"
     """synthetic: the built-in task name; reasoning_gym: the dataset name (e.g. basic_arithmetic)."""
     task_args: dict[str, bool | int | float | str | list[str]] = field(default_factory=dict)

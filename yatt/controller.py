@@ -105,6 +105,8 @@ def scored_group(
         advantages=advantages(rewards, algorithm).to(torch.float32),
         policy_versions=torch.tensor([c.policy_version_min for c in items], dtype=torch.int64),
         finish_reasons=[c.finish_reason for c in items],
+        scores={name: values.to(torch.float32) for name, values in scores.components.items()},
+        failures=list(scores.failures),
     )
 
 

@@ -204,7 +204,7 @@ def _table(config: DataConfig) -> list[_Example]:
         ) from e
     columns = list(table.column_names)
     for name, value in (("prompt_field", config.prompt_field), ("answer_field", config.answer_field)):
-        if value and value not in columns:
+        if value and value.split(".")[0] not in columns:
             empty = "; set data.answer_field: '' for data without answers" if name == "answer_field" else ""
             raise ConfigError(
                 f"data.{name} = {value!r} is not a column of {config.path!r} (columns: {', '.join(columns)}){empty}"
@@ -220,7 +220,7 @@ def _table(config: DataConfig) -> list[_Example]:
 
 def _row_example(config: DataConfig, index: int, row: Mapping[str, Any]) -> _Example:
     """One table row: the prompt (text or chat messages) and its scalar fields as metadata."""
-    prompt = row[config.prompt_field]
+    prompt = _lookup(row, config.prompt_field, "prompt_field", index)
     if isinstance(prompt, str):
         user = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
@@ -230,15 +230,35 @@ def _row_example(config: DataConfig, index: int, row: Mapping[str, Any]) -> _Exa
             f"data.prompt_field = {config.prompt_field!r}: row {index} holds {type(prompt).__name__}, "
             "not a string or a list of {'role', 'content'} messages"
         )
-    metadata = {
-        key: text
-        for key, value in row.items()
-        if key != config.prompt_field and (text := _scalar_text(value)) is not None
-    }
+    metadata = {key: text for key, text in _flat(row).items() if key != config.prompt_field}
     if config.answer_field:
-        answer = row[config.answer_field]
+        answer = _lookup(row, config.answer_field, "answer_field", index)
         metadata["answer"] = _scalar_text(answer) or json.dumps(_json_safe(answer))
     return _Example(_messages(config, user), "\n\n".join(m["content"] for m in user), metadata)
+
+
+def _lookup(row: Mapping[str, Any], path: str, field: str, index: int) -> Any:
+    """``row``'s value at a dotted ``path`` (``reward_model.ground_truth``, ``choices.0``)."""
+    value: Any = row
+    for part in path.split("."):
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise ConfigError(f"data.{field} = {path!r}: row {index} has no {part!r} there (got {_json_safe(value)!r:.200})")
+    return value
+
+
+def _flat(row: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Every scalar of ``row`` as text, nested mappings' under dotted keys (``reward_model.style``)."""
+    out: dict[str, str] = {}
+    for key, value in row.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        elif (text := _scalar_text(value)) is not None:
+            out[f"{prefix}{key}"] = text
+    return out
 
 
 def _is_message(value: object) -> bool:

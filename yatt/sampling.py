@@ -96,10 +96,48 @@ def validate_group(group: ScoredGroup, group_size: int) -> None:
     for name in ("rewards", "advantages"):
         if not bool(torch.isfinite(getattr(group, name)).all()):
             raise ProtocolError(f"{where}: {name} holds NaN or inf ({getattr(group, name).tolist()})")
+    for scorer, scores in group.scores.items():
+        if tuple(scores.shape) != (n,) or not bool(torch.isfinite(scores).all()):
+            raise ProtocolError(f"{where}: scores[{scorer!r}] must be {n} finite numbers (got {scores.tolist()})")
+    if group.failures and len(group.failures) != n:
+        raise ProtocolError(f"{where}: failures has {len(group.failures)} entries, completion_ids {n}")
 
 
 EMA_FLOOR = 1e-3
 """The acceptance EMA never falls below this: one accepted group lifts it again."""
+
+
+def step_report(consumed: list[tuple[ScoredGroup, bool]], *, rollouts: int) -> tuple[dict[str, float], list[ScoredGroup]]:
+    """The metrics of one step's groups ``(group, trained)`` (every group the step
+    consumed, filtered ones included: what the policy produced) and up to ``rollouts`` of
+    them for the rollout log, trained ones first.
+
+    reward/mean, reward/std over samples (the weighted mix, after any overlong penalty);
+    reward/<scorer>/mean and /std (raw scores); reward/failed_share (samples where a
+    scorer failed); response_length/mean, /max and /clip_ratio (stopped by max_new_tokens),
+    as verl names them; groups and groups/trained."""
+    if not consumed:
+        return {"reward/mean": float("nan"), "groups": 0.0, "groups/trained": 0.0}, []
+    groups = [g for g, _ in consumed]
+    rewards = torch.cat([g.rewards.float() for g in groups])
+    lengths = torch.tensor([float(len(ids)) for g in groups for ids in g.completion_ids])
+    reasons = [r for g in groups for r in g.finish_reasons]
+    values = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "reward/failed_share": sum(bool(f) for g in groups for f in g.failures) / len(rewards),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": sum(r == "length" for r in reasons) / len(reasons),
+        "groups": float(len(groups)),
+        "groups/trained": float(sum(trained for _, trained in consumed)),
+    }
+    for name in sorted({name for g in groups for name in g.scores}):
+        scores = torch.cat([g.scores[name].float() for g in groups if name in g.scores])
+        values[f"reward/{name}/mean"] = float(scores.mean())
+        values[f"reward/{name}/std"] = float(scores.std(unbiased=False))
+    ordered = [g for g, trained in consumed if trained] + [g for g, trained in consumed if not trained]
+    return values, ordered[:rollouts]
 
 
 def pack(group: ScoredGroup) -> bytes:
@@ -183,7 +221,7 @@ class SamplingBuffer:
         self.dispatch_end = 0  # controllers may generate positions < dispatch_end
         self.plan_seq = 0  # grows whenever the plan may have changed
         self.ready: dict[tuple[int, int], list[MicroBatch]] = {}  # (step, wave) -> one per rank
-        self.step_rewards: dict[int, list[float]] = {}  # step -> rewards of every group it consumed
+        self.step_groups: dict[int, list[tuple[ScoredGroup, bool]]] = {}  # step -> (group, trained) it consumed
         self.stats = Stats()
         self._replayed_version = 0  # while replaying: the last version the trainer published
         self.version_ceiling: int | None = None  # after a rewind: newer versions were discarded
@@ -327,7 +365,7 @@ class SamplingBuffer:
                 self.filtered_run = []
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
             if self.step >= self._replayed_version:
-                self.step_rewards.setdefault(self.step, []).append(float(group.rewards.float().mean()))
+                self.step_groups.setdefault(self.step, []).append((group, accepted))
             self.cursor += 1
             if accepted:
                 self.wave.append(group)

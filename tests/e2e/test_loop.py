@@ -156,6 +156,12 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     assert_default_job_learned(rows, run_dir)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
+    assert {"reward/digits/mean", "reward/failed_share", "response_length/mean", "response_length/clip_ratio"} <= set(rows[-1])
+    # What the model wrote, as text, with what each scorer gave it: 2 groups of 8 per step.
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert Counter(r["step"] for r in rollouts) == {step: 16 for step in range(len(rows))}
+    assert all(r["prompt"] and set(r["scores"]) == {"digits"} and r["failure"] == "" for r in rollouts)
+    assert any(r["completion"] and r["reward"] > 0 for r in rollouts)
     if layout == "auto":
         assert planned_layout(run_dir) in LAYOUTS[1:]
         assert "placement: " in (run_dir.parent / "default.launcher.log").read_text()
@@ -248,7 +254,9 @@ def test_killed_colocated_rank_restarts_the_trainer_group_losing_nothing(tmp_pat
 
 @pytest.mark.parametrize("layout", ["colocated", "partial", "disaggregated"])
 def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
-    overrides = ("run.steps=8", "trainer.checkpoint_every=4", f"placement.layout={layout}")
+    overrides = ("run.steps=8", "trainer.checkpoint_every=4", f"placement.layout={layout}", "trainer.keep_checkpoints=1")
+    if layout == "disaggregated":
+        overrides += ("trainer.checkpoint_hf=true",)
     reference = tmp_path / "reference"
     finish(launch(reference, *overrides), reference)
     run_dir = tmp_path / "resumed"
@@ -269,6 +277,20 @@ def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
     assert sorted(got) == list(range(8))
     for step in range(4, 8):
         assert got[step] == expected[step], f"step {step} trained other groups after the resume"
+    assert [d.name for d in (run_dir / "checkpoints").iterdir()] == ["step_8"]  # trainer.keep_checkpoints=1
+    if layout == "disaggregated":  # beside it, a Hugging Face export
+        assert json.loads((run_dir / "checkpoints" / "step_8" / "hf" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
+    run_dir = tmp_path / "extended"
+    finish(launch(run_dir, "run.steps=3", "placement.layout=disaggregated"), run_dir)
+    finish(launch(run_dir, "run.steps=5", "placement.layout=disaggregated", resume=run_dir), run_dir)
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(5))
+    assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_5"]
+    again = launch(run_dir, "run.steps=5", "placement.layout=disaggregated", resume=run_dir)  # resuming a finished run says so
+    finish(again, run_dir)
+    assert "is done: its last checkpoint is step 5" in (run_dir.parent / "extended.launcher.log").read_text()
 
 
 def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
@@ -300,3 +322,21 @@ def test_a_task_never_solved_stops_with_the_filter_and_what_to_change(tmp_path: 
     assert "buffer-0 stopped the run" in log and "accepted none of the last 16 groups" in log, log[-3000:]
     assert "'all rewards equal': 16" in log and "buffer.filter=none" in log
     assert not (run_dir / "metrics.jsonl").exists(), "a step was trained"
+
+
+def test_a_broken_reward_stops_the_run_with_the_scorers_error(tmp_path: Path) -> None:
+    """A reward function that always raises does not train on zeros with exit 0: the run
+    stops with the scorer's error, its traceback and the fix."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["reward"]["scorers"] = [
+        {"kind": "custom", "name": "broken", "function": "tests.workers.scorer_fixtures:raise_value_error"}
+    ]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "broken"
+    proc = launch(run_dir, str(path))
+    assert proc.wait(timeout=600) == 1
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    assert "reward-0 stopped the run" in log and "reward scorer 'broken'" in log, log[-3000:]
+    assert "reward.max_failure_share" in log and "Traceback" in log and "ValueError: cannot grade" in log
+

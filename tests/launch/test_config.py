@@ -56,6 +56,10 @@ def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.Captur
         ("controller.request_timeout_s=-1", r"controller\.request_timeout_s.*must be > 0 seconds"),
         ("run.stall_timeout_s=-3", r"run\.stall_timeout_s.*must be >= 0"),
         ("run.host=0.0.0.0", r"run\.host.*must be a loopback address"),
+        ("run.report_to=[tensorboard,mlflow]", r"run\.report_to.*knows tensorboard and wandb, not \['mlflow'\]"),
+        ("run.rollouts_per_step=-1", r"run\.rollouts_per_step.*must be >= 0"),
+        ("trainer.keep_checkpoints=-2", r"trainer\.keep_checkpoints.*must be >= 0"),
+        ("reward.max_failure_share=1.5", r"reward\.max_failure_share.*must be in \[0, 1\]"),
     ],
 )
 def test_values_that_cannot_work_are_refused_before_anything_starts(
@@ -90,6 +94,19 @@ def test_an_empty_dataset_and_a_reused_run_dir_are_refused_in_one_line(
     err = capsys.readouterr().err
     assert f"run dir {used} already holds a run; continue it with `python -m launch run --resume {used}`" in err
     assert (used / "metrics.jsonl").read_text() == '{"step": 0}\n', "the old run was touched"
+
+
+def test_a_reward_function_that_cannot_be_called_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "trl.yaml"
+    config.write_text(
+        "reward:\n  scorers:\n    - kind: custom\n      function: tests.workers.scorer_fixtures:trl_needs_solution\n"
+    )
+    assert main(["run", str(config), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "needs ['solution']" in err and "['answer']" in err, err
+    assert not list((tmp_path / "run" / "logs").iterdir()), "a role started"
 
 
 def test_print_config_shows_every_default_and_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -59,3 +59,25 @@ def return_nan(prompt: str, completion: str, metadata: dict[str, str]) -> float:
 def never_solved(prompt: str, completion: str, metadata: dict[str, str]) -> float:
     """A task the model never solves: every group's rewards are equal (all 0)."""
     return 0.0
+
+
+def trl_exact(prompts: list[str], completions: list[str], answer: list[str], **kwargs: object) -> list[float]:
+    """TRL's reward-function signature: one score per completion, dataset columns as lists."""
+    return [1.0 if c.strip().endswith(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def trl_needs_solution(prompts: list[str], completions: list[str], solution: list[str]) -> list[float]:
+    """A TRL-style function that needs a column the prompts lack."""
+    return [0.0 for _ in completions]
+
+
+def two_arguments(prompt: str, completion: str) -> float:
+    """Neither yatt's nor TRL's signature."""
+    return 0.0
+
+
+def fail_sometimes(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    """Raises ZeroDivisionError when the completion says "fail", else 1.0."""
+    if completion == "fail":
+        return 1 / 0
+    return 1.0

@@ -36,6 +36,7 @@ from workers.scorers import (
     MathVerify,
     ReasoningGym,
     RewardMix,
+    check_custom_scorers,
     final_answer,
 )
 from yatt.config import RewardConfig, ScorerConfig
@@ -281,6 +282,37 @@ def test_bad_custom_path_names_the_field(function: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=r"reward\.scorers\[1\]\.function") as info:
         RewardMix(config)
     assert reason in str(info.value) and "package.module:function" in str(info.value)
+
+
+async def test_a_trl_style_reward_is_called_with_the_prompts_fields(mixes: list[RewardMix]) -> None:
+    mix = make(mixes, ScorerConfig(kind="custom", name="trl", function=f"{FIXTURES}:trl_exact"))
+    results = await mix.score([sample("so 42", answer="42"), sample("so 41", answer="42")])
+    assert [r.components["trl"] for r in results] == [1.0, 0.0] and [r.failure for r in results] == ["", ""]
+
+
+def test_reward_signatures_are_checked_before_anything_starts() -> None:
+    def config(function: str) -> RewardConfig:
+        return RewardConfig(scorers=[ScorerConfig(kind="custom", function=f"{FIXTURES}:{function}")])
+
+    check_custom_scorers(config("trl_exact"), {"answer"})
+    check_custom_scorers(config("length_tenths"), set())
+    with pytest.raises(ConfigError, match=r"reward\.scorers\[0\]\.function .* needs \['solution'\].*\['answer'\]"):
+        check_custom_scorers(config("trl_needs_solution"), {"answer"})
+    with pytest.raises(ConfigError, match=r"signature is \(prompt, completion\); .*f\(prompt, completion, metadata\).*TRL"):
+        check_custom_scorers(config("two_arguments"), {"answer"})
+
+
+async def test_a_scorer_failing_on_most_samples_says_so_with_its_traceback(mixes: list[RewardMix]) -> None:
+    mix = make(mixes, ScorerConfig(kind="custom", name="flaky", function=f"{FIXTURES}:fail_sometimes"))
+    await mix.score([sample("fail")] * 8 + [sample("ok")] * 8)  # half of 16: at the bound, not past it
+    assert mix.failing() == ""
+    await mix.score([sample("fail")])
+    why = mix.failing()
+    assert why.startswith("reward scorer 'flaky' (custom tests.workers.scorer_fixtures:fail_sometimes) failed on 9 of its last 17")
+    assert "reward.max_failure_share = 0.5" in why
+    assert "Traceback" in why and "in fail_sometimes" in why and "ZeroDivisionError" in why  # from the pool process
+    await mix.score([sample("ok")] * 64)  # the window moves on
+    assert mix.failing() == ""
 
 
 def test_bad_mix_configs_are_rejected() -> None:

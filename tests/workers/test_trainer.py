@@ -503,3 +503,17 @@ def test_adaptive_kl_and_a_custom_loss_in_the_trainer(several: Results) -> None:
     # my_loss is -A logp: with advantages 1 the step loss is the batch's mean NLL (~ log V at init).
     assert several["custom"]["loss"] == pytest.approx(several["custom_nll"], rel=1e-4)
     assert several["custom"]["clip_frac"] == 0.0
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
+    from workers.trainer_rank import prune_checkpoints
+
+    for step, done in ((2, True), (4, True), (6, False), (8, True), (10, True), (12, False)):
+        (tmp_path / f"step_{step}" / "trainer").mkdir(parents=True)
+        if done:
+            (tmp_path / f"step_{step}" / "done").write_text("{}")
+    gone = prune_checkpoints(tmp_path, 2)
+    # step_6 was left half-written by a dead group; step_12 is being written now.
+    assert sorted(d.name for d in gone) == ["step_2", "step_4", "step_6"]
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["step_10", "step_12", "step_8"]
+    assert prune_checkpoints(tmp_path / "none", 1) == []

@@ -21,6 +21,7 @@ from protocols.messages import (
     PolicyVersion,
     Query,
     ScoredGroup,
+    StepReport,
 )
 from tests.yatt.test_sampling import N_PROMPTS, make_group
 from yatt.actor import Client
@@ -85,8 +86,9 @@ async def test_plans_stream_and_checkpoint(transport: Transport, tmp_path: Path)
         assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "x").exists()
         stats = await client.request(Query(what="stats"), Metrics)
         assert stats.values["buffer/accepted"] == 4 and stats.values["buffer/trained_groups"] == 4
-        rewards = await client.request(Query(what="step_rewards", args={"step": "0"}), Metrics)
-        assert rewards.values["groups"] == 4
+        report = await client.request(Query(what="step_report", args={"step": "0", "rollouts": "3"}), StepReport)
+        assert report.values["groups"] == 4 and len(report.groups) == 3
+        assert report.groups[0].completion_ids[0].tolist() == make_group(order[0], 0).completion_ids[0].tolist()
         reopened_keys = [k for s in (0, 1) for k in buffer.core.plan(s)]
         for key in reopened_keys[:2]:  # decisions after the checkpoint
             await client.request(make_group(key, 1), Ack)

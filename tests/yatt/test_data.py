@@ -156,6 +156,30 @@ def test_parquet_with_custom_fields(tmp_path: Path, tokenizer_dir: str) -> None:
     assert prompts[0].metadata == {"answer": "c a t", "solution": "c a t", "score": "0.5"}
 
 
+def test_verl_style_parquet_with_nested_fields_by_dotted_path(tmp_path: Path, tokenizer_dir: str) -> None:
+    """verl's gsm8k parquet layout: chat messages, the answer under reward_model.ground_truth."""
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "2 + 70?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "72"},
+            "extra_info": {"index": 0, "split": "train"},
+        }
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    config = DataConfig(path=str(tmp_path / "train.parquet"), answer_field="reward_model.ground_truth")
+    [p] = load_prompts(config, tokenizer_dir)
+    assert p.text == "2 + 70?"
+    assert p.metadata == {
+        "answer": "72", "data_source": "openai/gsm8k", "ability": "math", "reward_model.style": "rule",
+        "reward_model.ground_truth": "72", "extra_info.index": "0", "extra_info.split": "train",
+    }
+    wrong = DataConfig(path=str(tmp_path / "train.parquet"), answer_field="reward_model.truth")
+    with pytest.raises(ConfigError, match=r"data\.answer_field = 'reward_model\.truth': row 0 has no 'truth' there"):
+        load_prompts(wrong, tokenizer_dir)
+
+
 def test_data_without_answers(tmp_path: Path, tokenizer_dir: str) -> None:
     path = write_jsonl(tmp_path / "open.jsonl", [{"prompt": "Write a haiku."}])
     [p] = load_prompts(DataConfig(source="jsonl", path=str(path), answer_field=""), tokenizer_dir)

@@ -4,6 +4,7 @@ exactly-once, balanced micro-batches, and a replay of the ledger that continues 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,7 @@ from protocols.messages import GroupKey, ScoredGroup
 from yatt.config import BufferConfig
 from yatt.errors import ConfigError
 from yatt.ledger import Ledger
-from yatt.sampling import SamplingBuffer, epoch_order
+from yatt.sampling import SamplingBuffer, epoch_order, step_report
 
 N_PROMPTS = 12
 
@@ -271,3 +272,27 @@ def test_on_stall_train_trains_on_the_filtered_groups_until_one_is_accepted(tmp_
     buf.publish_version(1)
     offer_planned(buf, equal=False)
     assert buf.filtered_run == [] and buf.stats.accepted > 0
+
+
+def test_step_report_by_hand() -> None:
+    """Two groups of one step, the filtered one first: hand-computed statistics, and the
+    rollout sample takes the trained group first."""
+    def group(index: int, rewards: list[float], digits: list[float], failures: list[str], lengths: list[int],
+              reasons: list[str]) -> ScoredGroup:
+        base = make_group(GroupKey(epoch=0, shard=0, prompt_index=index), 0)
+        return dataclasses.replace(
+            base, rewards=torch.tensor(rewards), scores={"digits": torch.tensor(digits)}, failures=failures,
+            completion_ids=[torch.ones(L, dtype=torch.int32) for L in lengths], finish_reasons=reasons,
+        )
+
+    trained = group(1, [1.0, 0.0], [1.0, 0.5], ["", "digits: TypeError: boom"], [2, 4], ["stop", "length"])
+    filtered = group(2, [1.0, 1.0], [1.0, 1.0], ["", ""], [1, 3], ["stop", "stop"])
+    values, sample = step_report([(filtered, False), (trained, True)], rollouts=1)
+    assert values == pytest.approx({
+        "reward/mean": 0.75, "reward/std": 0.1875**0.5, "reward/failed_share": 0.25,
+        "response_length/mean": 2.5, "response_length/max": 4.0, "response_length/clip_ratio": 0.25,
+        "groups": 2.0, "groups/trained": 1.0,
+        "reward/digits/mean": 0.875, "reward/digits/std": 0.046875**0.5,
+    })
+    assert sample == [trained]
+    assert step_report([], rollouts=4) == ({"reward/mean": pytest.approx(float("nan"), nan_ok=True), "groups": 0.0, "groups/trained": 0.0}, [])

@@ -30,6 +30,7 @@ from protocols.messages import (
     ScoreRequest,
     Scores,
     Shutdown,
+    StepReport,
     WeightUpdate,
     WorkerInfo,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "ScoredGroup",
     "Scores",
     "Shutdown",
+    "StepReport",
     "WeightUpdate",
     "WorkerInfo",
     "decode",

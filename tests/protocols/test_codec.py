@@ -64,6 +64,24 @@ SAMPLES: list[P.Message] = [
         advantages=torch.tensor([0.0]),
         policy_versions=torch.tensor([3], dtype=torch.int64),
         finish_reasons=["stop"],
+        scores={"math": torch.tensor([1.0])},
+        failures=[""],
+    ),
+    P.StepReport(
+        step=3,
+        values={"reward/mean": 0.5},
+        groups=[
+            P.ScoredGroup(
+                group_key=KEY,
+                prompt_ids=torch.tensor([1, 2], dtype=torch.int32),
+                completion_ids=[torch.tensor([3, 4], dtype=torch.int32)],
+                rollout_logprobs=[torch.tensor([-0.5, -0.25])],
+                rewards=torch.tensor([0.0]),
+                advantages=torch.tensor([0.0]),
+                policy_versions=torch.tensor([2], dtype=torch.int64),
+                finish_reasons=["length"],
+            )
+        ],
     ),
     P.MicroBatchRequest(step=3, rank=1, world_size=2, index=0),
     P.PlanRequest(shard=1, num_shards=2, after_seq=-1, wait_s=0.5),

@@ -22,7 +22,7 @@ restarting everything.
   with a checkpoint every step, written synchronously and in the background
   (``trainer.checkpoint_async``), against the same job checkpointing only at the end.
 - Fuzz: ``fuzz_frames`` random and mutated frames into every port of a running default
-  job with the run's keys, and a tenth as many with a key of its own
+  job (the roles' and the registry's) with the run's keys, and a tenth as many with a key of its own
   (``benchmarks/fuzzing.py``): role crashes (restarts), replies to the keyless peer, and
   whether the run finished.
 - Soak: the default job for ``soak_steps`` steps, the RSS and open fds of every role
@@ -30,7 +30,7 @@ restarting everything.
   last.
 
 Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5),
-``checkpoint_model`` (builtin:smollm2), ``checkpoint_steps`` (6), ``fuzz_frames`` (100000),
+``checkpoint_model`` (builtin:smollm2), ``checkpoint_steps`` (5), ``fuzz_frames`` (100000),
 ``soak_steps`` (2000), ``parts`` ([kills, goodput, checkpoint, fuzz, soak]).
 """
 
@@ -82,7 +82,7 @@ class Options:
     """Steps of the soak run."""
     checkpoint_model: str = "builtin:smollm2"
     """model.path of the checkpoint-cost runs ("" for the tiny default)."""
-    checkpoint_steps: int = 6
+    checkpoint_steps: int = 5
     """Steps of each checkpoint-cost run."""
     parts: list[str] = field(default_factory=lambda: ["kills", "goodput", "checkpoint", "fuzz", "soak"])
     """Which parts to run."""
@@ -356,7 +356,7 @@ def _checkpoint_cost(tmp: Path, opts: Options, items: list[str], result: Result,
     f = result.figures
     job = [
         f"run.steps={opts.checkpoint_steps}", "placement.layout=disaggregated", f"model.path={opts.checkpoint_model}",
-        "buffer.groups_per_step=2", "buffer.group_size=4", "buffer.filter=none",  # SmolLM2 rarely solves digits
+        "buffer.groups_per_step=2", "buffer.group_size=2", "buffer.filter=none",  # SmolLM2 rarely solves digits
     ]
     for name, extra in (
         ("none", ["trainer.checkpoint_every=0"]),
@@ -387,13 +387,13 @@ def _checkpoint_cost(tmp: Path, opts: Options, items: list[str], result: Result,
 
 
 def _fuzz(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
-    from benchmarks.fuzzing import fuzz, role_ports
+    from benchmarks.fuzzing import fuzz, launcher_ports, role_ports
 
     f = result.figures
     run_dir = tmp / "fuzz"
     proc = _launch(run_dir, items)
     if _wait(proc, run_dir, 2):
-        ports = [port for listed in role_ports(run_dir).values() for port in listed]
+        ports = [port for listed in role_ports(run_dir).values() for port in listed] + launcher_ports(proc.pid, run_dir)
         start = time.perf_counter()
         keyed = fuzz(ports, opts.fuzz_frames, keys=run_dir / "keys", authorised=True)
         f["fuzz_frames_per_s"] = keyed.sent / (time.perf_counter() - start)

@@ -1,7 +1,7 @@
 """Live-socket fuzzing: random and mutated frames into every port a running job listens on.
 
 ``role_ports(run_dir)`` finds each role process of a run (``launch.role ... --run-dir``) and
-the TCP ports it listens on; ``fuzz`` sends ``count`` multipart messages spread over them
+the TCP ports it listens on, ``launcher_ports`` the registry's; ``fuzz`` sends ``count`` multipart messages spread over them
 from DEALER sockets that either hold the run's CURVE keys (the frames reach the decoder and
 the handlers) or a key of their own (the frames must reach nothing). A message is one of:
 random bytes in 1-5 frames; a valid message of a protocol type with its header or kind
@@ -12,6 +12,7 @@ run's keys may ask an actor to stop; that is not a fault).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import time
@@ -73,6 +74,20 @@ def role_ports(run_dir: Path) -> dict[str, list[int]]:
             continue
         ports[name] = sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN})
     return ports
+
+
+def launcher_ports(launcher_pid: int, run_dir: Path) -> list[int]:
+    """The launcher's ZeroMQ ports (the registry's requests and its membership feed): every
+    port it listens on but the trainer ranks' torch.distributed store (not ZeroMQ)."""
+    import psutil
+
+    store = set()
+    for name, pid in role_processes(run_dir).items():
+        if name.startswith("trainer-"):
+            with contextlib.suppress(psutil.Error, ValueError):
+                store.add(int(psutil.Process(pid).environ().get("MASTER_PORT", "0")))
+    conns = psutil.Process(launcher_pid).net_connections("tcp")
+    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN} - store)
 
 
 def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Path | None, *, authorised: bool) -> zmq.Socket[bytes]:

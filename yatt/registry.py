@@ -20,19 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+import zmq
+
 from protocols.messages import Ack, Deregister, Heartbeat, Membership, Message, Query, Register, WorkerInfo
 from yatt.actor import Actor, Client, handles
-from yatt.errors import Closed, PeerLost, RemoteError, RequestTimeout, TransportError
+from yatt.errors import Closed, PeerLost, ProtocolError, RemoteError, RequestTimeout, TransportError
 from yatt.streams import Publisher, Subscriber
 from yatt.transport import Transport
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Message)
+
+ENDPOINT = re.compile(r"tcp://[^\s:/]+:\d{1,5}|tcp://\[[0-9a-fA-F:]+\]:\d{1,5}|ipc://\S+|inproc://\S+")
+"""What a member's endpoint may be (anything else is refused at Register: no socket reaches it)."""
 
 
 class Registry(Actor):
@@ -79,6 +85,11 @@ class Registry(Actor):
     @handles(Register)
     async def _register(self, msg: Register) -> Ack:
         worker = msg.worker
+        if not worker.actor_id or not worker.role or not ENDPOINT.fullmatch(worker.endpoint):
+            raise ProtocolError(
+                f"Register.worker: actor_id and role must be non-empty and endpoint tcp://HOST:PORT, "
+                f"ipc://PATH or inproc://NAME (got {worker.actor_id!r}, {worker.role!r}, {worker.endpoint!r:.100})"
+            )
         self._last_seen[worker.actor_id] = asyncio.get_running_loop().time()
         if self._members.get(worker.actor_id) != worker:
             self._members[worker.actor_id] = worker
@@ -298,9 +309,13 @@ class Directory:
                     client.lose("left the directory" if actor_id not in new else "re-registered")
                     gone.append(client)  # its in-flight requests fail with PeerLost, for re-issue
                     self._retired.add(client)
-            for actor_id, worker in new.items():
+            for actor_id, worker in list(new.items()):
                 if actor_id not in self._clients:
-                    self._clients[actor_id] = Client(self.transport, worker.endpoint, name=self.name)
+                    try:
+                        self._clients[actor_id] = Client(self.transport, worker.endpoint, name=self.name)
+                    except (TransportError, zmq.ZMQError, ValueError) as e:  # no socket reaches it: not in the view
+                        logger.warning("%s: leaving out %s: cannot connect to %r (%s)", self.name, actor_id, worker.endpoint, e)
+                        del new[actor_id]
             self._members = new
             async with self._changed:
                 self._changed.notify_all()

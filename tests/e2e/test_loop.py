@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.fuzzing import dealer, fuzz, role_ports, role_processes
+from benchmarks.fuzzing import dealer, fuzz, launcher_ports, role_ports, role_processes
 from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
 from yatt.data import DEFAULT_GENERATED
@@ -142,8 +142,10 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
         assert_only_the_runs_keys_reach_handlers(run_dir, proc)
     if layout == "disaggregated":  # while it runs: junk into every port crashes, hangs and poisons nothing
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
-        ports = [port for listed in role_ports(run_dir).values() for port in listed]
-        assert len(ports) >= 6, ports
+        registry = launcher_ports(proc.pid, run_dir)
+        assert len(registry) == 2, registry  # its requests and its membership feed
+        ports = [port for listed in role_ports(run_dir).values() for port in listed] + registry
+        assert len(ports) >= 8, ports
         with_keys = fuzz(ports, 10_000, keys=run_dir / "keys", authorised=True)
         assert with_keys.replies > 100, "the fuzz reached no handler"
         assert fuzz(ports, 1_000, keys=run_dir / "keys", authorised=False, seed=1).replies == 0

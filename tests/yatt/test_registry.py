@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from protocols.messages import Ack, Membership, Message, Query
+from protocols.messages import Ack, Membership, Message, Query, Register, WorkerInfo
 from tests.yatt.conftest import FAST_BEATS, Until, start_again
 from yatt.actor import Actor, Client, handles
 from yatt.errors import PeerLost, RemoteError, TransportError
@@ -205,6 +205,31 @@ async def test_a_process_seen_to_exit_is_dropped_at_once(
             with pytest.raises(PeerLost, match="left the directory"):
                 await asyncio.wait_for(call, 10)  # alive and beating: only the drop fails it
             assert await registry.drop_process(4242) == []
+
+
+async def test_forged_members_are_refused_or_left_out(fast_transport: Transport, registry: Registry) -> None:
+    """Found by fuzzing the registry: a Register with an endpoint no socket can connect to
+    broke every directory's view (a member without a client: KeyError in pick), and the
+    controllers with it. The registry refuses it; a directory leaves out what it cannot reach."""
+    member = Member(fast_transport, "gen-a")
+    async with member, Directory(fast_transport, registry.endpoint) as directory:
+        async with Registration(fast_transport, registry.endpoint, member.info()):
+            await directory.wait_until(lambda d: len(d.members()) == 1, timeout=10)
+            client = Client(fast_transport, registry.endpoint)
+            try:
+                for endpoint in ("tcp://no such host:5", "garbage", "", "http://x:1", "tcp://host"):
+                    forged = Register(worker=WorkerInfo(actor_id="fuzz", role="generator", endpoint=endpoint))
+                    with pytest.raises(RemoteError, match="endpoint tcp://HOST:PORT"):
+                        await client.request(forged, Ack)
+                with pytest.raises(RemoteError, match="actor_id and role must be non-empty"):
+                    await client.request(Register(worker=WorkerInfo(actor_id="", role="generator", endpoint="tcp://h:1")), Ack)
+            finally:
+                await client.close()
+            assert [w.actor_id for w in registry.members()] == ["gen-a"]
+            unreachable = WorkerInfo(actor_id="fuzz", role="generator", endpoint="tcp://no such host:5")
+            await directory._apply(Membership(epoch=directory.epoch + 1, workers=[*directory.members(), unreachable]))
+            assert [w.actor_id for w in directory.members()] == ["gen-a"]
+            assert directory.pick("generator").endpoint == member.endpoint
 
 
 async def test_registry_answers_queries(fast_transport: Transport, registry: Registry) -> None:

@@ -211,14 +211,15 @@ def load_function(path: str) -> Callable[..., object]:
     return fn  # type: ignore[no-any-return]
 
 
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+TRL_ARGUMENTS = ("prompts", "completions")
 """What a TRL-style reward function is given besides the prompt's metadata fields."""
 
 
 def reward_signature(fn: Callable[..., object]) -> Literal["sample", "trl"]:
     """How a custom reward function is called: yatt's ``f(prompt, completion, metadata) ->
     float`` per sample, or TRL's ``f(prompts, completions, **kwargs) -> list[float]`` (its
-    dataset columns, here the prompt's metadata fields, as keyword lists). TypeError naming
+    dataset columns, here the prompt's metadata fields, as keyword lists; no completion_ids,
+    which scorers do not see). TypeError naming
     both otherwise."""
     params = inspect.signature(fn).parameters
     if "completions" in params:
@@ -231,7 +232,7 @@ def reward_signature(fn: Callable[..., object]) -> Literal["sample", "trl"]:
         return "sample"
     raise TypeError(
         f"its signature is ({', '.join(str(p.replace(annotation=p.empty)) for p in params.values())}); a custom scorer is f(prompt, completion, metadata) -> float, "
-        "or TRL's f(prompts, completions, **kwargs) -> list[float] (kwargs: completion_ids and the prompt's metadata fields)"
+        "or TRL's f(prompts, completions, **kwargs) -> list[float] (kwargs: the prompt's metadata fields)"
     )
 
 
@@ -282,7 +283,7 @@ class Custom:
     @staticmethod
     def _trl_kwargs(fn: Callable[..., object], sample: ScoreInput) -> dict[str, object]:
         given: dict[str, object] = {k: [v] for k, v in sample.metadata.items()}
-        given.update(prompts=[sample.prompt], completions=[sample.completion], completion_ids=[None])
+        given.update(prompts=[sample.prompt], completions=[sample.completion])
         params = inspect.signature(fn).parameters
         if any(p.kind == p.VAR_KEYWORD for p in params.values()):
             return given

@@ -284,10 +284,18 @@ class Custom:
     def _trl_kwargs(fn: Callable[..., object], sample: ScoreInput) -> dict[str, object]:
         given: dict[str, object] = {k: [v] for k, v in sample.metadata.items()}
         given.update(prompts=[sample.prompt], completions=[sample.completion])
-        params = inspect.signature(fn).parameters
-        if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return given
-        return {k: v for k, v in given.items() if k in params}
+        accepted = _keyword_names(fn)
+        return given if accepted is None else {k: v for k, v in given.items() if k in accepted}
+
+
+@functools.cache
+def _keyword_names(fn: Callable[..., object]) -> frozenset[str] | None:
+    """The keywords ``fn`` takes; None when it takes any (``**kwargs``). Once per function,
+    not once per scored sample."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
 
 
 def check_custom_scorers(config: RewardConfig, fields: set[str]) -> None:

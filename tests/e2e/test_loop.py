@@ -309,18 +309,23 @@ def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
     assert max(r["staleness/mean"] for r in metrics(run_dir)) <= 2
 
 
+def stopped_run(tmp_path: Path, name: str, function: str, **buffer: object) -> tuple[Path, str]:
+    """The default job scored only by ``scorer_fixtures.<function>`` (and ``buffer`` fields):
+    it must stop the run (exit 1); returns its run dir and launcher log."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["reward"]["scorers"] = [{"kind": "custom", "name": name, "function": f"tests.workers.scorer_fixtures:{function}"}]
+    config["buffer"].update(buffer)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / name
+    assert launch(run_dir, str(path)).wait(timeout=600) == 1
+    return run_dir, (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+
+
 def test_a_task_never_solved_stops_with_the_filter_and_what_to_change(tmp_path: Path) -> None:
     """Dynamic sampling has a bound: a reward that is always 0 stops the run with the filter,
     the rewards and the fix, instead of waiting for good."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["reward"]["scorers"] = [{"kind": "custom", "name": "never", "function": "tests.workers.scorer_fixtures:never_solved"}]
-    config["buffer"]["max_filtered_batches"] = 2
-    path = tmp_path / "never.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "never"
-    proc = launch(run_dir, str(path))
-    assert proc.wait(timeout=600) == 1
-    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    run_dir, log = stopped_run(tmp_path, "never", "never_solved", max_filtered_batches=2)
     assert "buffer-0 stopped the run" in log and "accepted none of the last 16 groups" in log, log[-3000:]
     assert "'all rewards equal': 16" in log and "buffer.filter=none" in log
     assert not (run_dir / "metrics.jsonl").exists(), "a step was trained"
@@ -329,16 +334,7 @@ def test_a_task_never_solved_stops_with_the_filter_and_what_to_change(tmp_path: 
 def test_a_broken_reward_stops_the_run_with_the_scorers_error(tmp_path: Path) -> None:
     """A reward function that always raises does not train on zeros with exit 0: the run
     stops with the scorer's error, its traceback and the fix."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["reward"]["scorers"] = [
-        {"kind": "custom", "name": "broken", "function": "tests.workers.scorer_fixtures:raise_value_error"}
-    ]
-    path = tmp_path / "broken.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "broken"
-    proc = launch(run_dir, str(path))
-    assert proc.wait(timeout=600) == 1
-    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    _, log = stopped_run(tmp_path, "broken", "raise_value_error")
     assert "reward-0 stopped the run" in log and "reward scorer 'broken'" in log, log[-3000:]
     assert "reward.max_failure_share" in log and "Traceback" in log and "ValueError: cannot grade" in log
 

@@ -20,6 +20,7 @@ from yatt.config import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
+    EvalConfig,
     GeneratorConfig,
     ModelConfig,
     PlacementConfig,
@@ -69,6 +70,9 @@ class RunSettings:
     writes <run_dir>/wandb without a network)."""
     wandb_project: str = "yatt"
     """The wandb project of run.report_to: [wandb]."""
+    eval_every: int = 0
+    """Evaluate on the held-out prompts (data.eval_path or data.eval_split; see the eval
+    section) before the first step, every this many steps and after the last; 0: never."""
     trace: bool = False
     """Write every role's spans to <run_dir>/trace/<role>-<index>.jsonl (yatt.trace; for timelines)."""
 
@@ -86,6 +90,7 @@ class RunSettings:
             "includes wandb, which is not installed: pip install -e '.[wandb]' (WANDB_MODE=offline runs without a network)",
         )
         require(self.rollouts_per_step >= 0, "rollouts_per_step", f"must be >= 0, 0 for none (got {self.rollouts_per_step})")
+        require(self.eval_every >= 0, "eval_every", f"must be >= 0, 0 for no evaluation (got {self.eval_every})")
         require(self.stall_timeout_s >= 0, "stall_timeout_s", f"must be >= 0, 0 to wait for good (got {self.stall_timeout_s})")
         require(
             self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127."),
@@ -119,6 +124,7 @@ class RunConfig:
     run: RunSettings = field(default_factory=RunSettings)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -136,6 +142,18 @@ class RunConfig:
             "trainer.weight_sync_every",
             f"= {every} lets generators lag {every - 1} versions, more than buffer.max_staleness = {staleness}; "
             f"raise buffer.max_staleness to {every - 1} or sync every step",
+        )
+        require(
+            not self.run.eval_every or self.data.has_eval,
+            "run.eval_every",
+            f"= {self.run.eval_every}, but there is nothing to evaluate on: set data.eval_split (a share or "
+            "count of the prompts held out) or data.eval_path (a file of held-out prompts)",
+        )
+        require(
+            self.run.eval_every % every == 0,
+            "run.eval_every",
+            f"= {self.run.eval_every} evaluates weights the generators never get (trainer.weight_sync_every = "
+            f"{every}); make it a multiple of {every}",
         )
         mbs, runs = self.buffer.micro_batches_per_step, self.trainer.mini_batches
         require(

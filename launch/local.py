@@ -132,11 +132,14 @@ def with_run_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop the metrics of the steps after the checkpoint: the resumed run trains them again."""
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
+    """Drop the metrics of the steps after the checkpoint (and the evaluations after it):
+    the resumed run trains and evaluates them again."""
+    # (an evaluation of the checkpoint's weights stands; one before step 0 is run again)
+    for name, last in (("metrics.jsonl", step - 1), ("eval.jsonl", step if step else -1)):
+        path = run_dir / name
+        if path.exists():
+            lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last]
+            path.write_text("".join(line + "\n" for line in lines))
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
@@ -317,9 +320,9 @@ class LocalLauncher:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
         from workers.scorers import check_custom_scorers
-        from yatt.data import load_prompts
+        from yatt.data import load_prompt_sets
 
-        prompts = await asyncio.to_thread(load_prompts, self.cfg.data, str(self.model_path))
+        prompts, _ = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, checkpoint_step(self.resume))

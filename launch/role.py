@@ -73,9 +73,9 @@ async def _serve(actor: Actor, registry: str, stop: asyncio.Event, until: Callab
 
 async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from yatt.buffer import Buffer
-    from yatt.data import load_prompts
+    from yatt.data import load_prompt_sets
 
-    prompts = load_prompts(cfg.data, str(args.model_path))
+    prompts, eval_prompts = load_prompt_sets(cfg.data, str(args.model_path))
     actor = Buffer(
         transport,
         endpoint=f"tcp://{args.host}:*",
@@ -87,15 +87,17 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
         ledger_path=args.run_dir / "ledger.db",
         resume_from=args.resume,
         total_steps=cfg.run.steps,
+        num_eval_prompts=len(eval_prompts),
+        eval_config=cfg.eval,
     )
     await _serve(actor, args.registry, stop)
 
 
 async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from yatt.controller import Controller, ControllerActor
-    from yatt.data import load_prompts
+    from yatt.data import load_prompt_sets
 
-    prompts = load_prompts(cfg.data, str(args.model_path))
+    prompts, eval_prompts = load_prompt_sets(cfg.data, str(args.model_path))
     async with Directory(transport, args.registry, name=f"controller-{args.index}") as directory:
         controller = Controller(
             cfg.controller,
@@ -105,6 +107,8 @@ async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Trans
             prompts=prompts,
             directory=directory,
             seed=cfg.run.seed,
+            eval_prompts=eval_prompts,
+            evaluation=cfg.eval,
         )
         actor = ControllerActor(transport, endpoint=f"tcp://{args.host}:*", controller=controller)
         await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
@@ -138,7 +142,7 @@ async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transpor
                 model=cfg.model, trainer=cfg.trainer, algorithm=cfg.algorithm, generator=cfg.generator,
                 transport=cfg.transport, steps=cfg.run.steps, micro_batches_per_step=cfg.buffer.micro_batches_per_step,
                 temperature=cfg.controller.temperature, ready_timeout_s=cfg.run.ready_timeout_s,
-                rollouts_per_step=cfg.run.rollouts_per_step, report_to=cfg.run.report_to,
+                rollouts_per_step=cfg.run.rollouts_per_step, eval_every=cfg.run.eval_every, report_to=cfg.run.report_to,
                 wandb_project=cfg.run.wandb_project, incarnation=args.incarnation,
             ),
             run_dir=args.run_dir,

@@ -48,10 +48,10 @@ class GroupKey:
     after a filter rejected the group), so the buffer's ledger can keep exactly-once.
     """
 
-    epoch: int
+    epoch: int  # < 0: a group of the evaluation of policy version -epoch - 1 (yatt.evaluation)
     shard: int
-    prompt_index: int  # index into the epoch's shuffled order of the whole dataset
-    attempt: int = 0
+    prompt_index: int  # index into the epoch's shuffled order of the whole dataset (eval: of the held-out prompts)
+    attempt: int = 0  # eval: 0 the greedy completion, 1 the sampled ones
 
     def as_str(self) -> str:
         return f"e{self.epoch}/s{self.shard}/p{self.prompt_index}/a{self.attempt}"
@@ -169,7 +169,8 @@ class ScoredGroup(Message):
 class StepReport(Message):
     """What the buffer saw of one step's groups (every group it consumed for the step,
     trained or filtered): reward, per-scorer, failure and length statistics, and a sample
-    of the groups themselves for the rollout log. Reply to Query("step_report")."""
+    of the groups themselves for the rollout log. Reply to Query("step_report"); and to
+    Query("evaluate"), with ``step`` the evaluated version and eval/* values (yatt.evaluation)."""
 
     KIND: ClassVar[bytes] = b"step.report"
 

@@ -7,6 +7,8 @@
   raw score, the advantage, the length, the finish reason and any scorer's failure; the
   same sample as a TensorBoard text table (``rollouts``). A broken reward shows here as
   what it is: text that reads right, scored 0, with the scorer's error beside it.
+- ``eval.jsonl`` and ``eval_rollouts.jsonl``: the same for every evaluation (run.eval_every),
+  ``step`` being the steps trained before it; eval/* scalars in TensorBoard and wandb.
 - wandb (``run.report_to: [tensorboard, wandb]``, the ``wandb`` extra): the same scalars
   and the rollouts as a table, one wandb run per run dir (its id follows from the run
   dir, so a resumed run goes on in the same wandb run); ``WANDB_MODE=offline`` writes it
@@ -69,9 +71,9 @@ class RunLog:
             self._writer = Writer(str(self.run_dir / "tensorboard"))
         return self._writer
 
-    def metrics(self, line: dict[str, float]) -> None:
-        """One step's scalars; ``line["step"]`` is the step."""
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
+    def metrics(self, line: dict[str, float], *, kind: str = "metrics") -> None:
+        """One step's scalars; ``line["step"]`` is the step; ``kind`` "eval" writes eval.jsonl."""
+        with (self.run_dir / f"{kind}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
         step = int(line["step"])
         if "tensorboard" in self._report_to:
@@ -83,8 +85,10 @@ class RunLog:
         if "wandb" in self._report_to:
             self._wandb_run().log({k: v for k, v in line.items() if k != "step"}, step=step)
 
-    def rollouts(self, step: int, groups: list[ScoredGroup]) -> list[dict[str, Any]]:
-        """Write one line per completion of ``groups`` and the TensorBoard table; returns the rows."""
+    def rollouts(self, step: int, groups: list[ScoredGroup], *, kind: str = "") -> list[dict[str, Any]]:
+        """Write one line per completion of ``groups`` and the TensorBoard table; returns the
+        rows. ``kind`` "eval": an evaluation's, to eval_rollouts.jsonl and its own table."""
+        name = f"{kind}_rollouts" if kind else "rollouts"
         if not groups:
             return []
         if self._tokenizer is None:
@@ -92,11 +96,11 @@ class RunLog:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
         rows = [row for group in groups for row in self._rows(step, group)]
-        with (self.run_dir / "rollouts.jsonl").open("a") as f:
+        with (self.run_dir / f"{name}.jsonl").open("a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         if "tensorboard" in self._report_to:
             writer = self._tensorboard()
-            writer.add_text("rollouts", _table(rows), step)
+            writer.add_text(name, _table(rows), step)
             writer.flush()
         if "wandb" in self._report_to:
             import wandb
@@ -104,7 +108,7 @@ class RunLog:
             fields = [c for c in rows[0] if c != "scores"]
             columns: list[str | int] = [*fields, *(f"score/{n}" for n in rows[0]["scores"])]
             data = [[r[c] for c in fields] + list(r["scores"].values()) for r in rows]
-            self._wandb_run().log({"rollouts": wandb.Table(columns=columns, data=data)}, step=step)
+            self._wandb_run().log({name: wandb.Table(columns=columns, data=data)}, step=step)
         return rows
 
     def _rows(self, step: int, group: ScoredGroup) -> list[dict[str, Any]]:

@@ -96,6 +96,8 @@ class RankConfig:
     """How long to wait for the buffer to register (``run.ready_timeout_s``)."""
     rollouts_per_step: int = 2
     """Groups of each step written to rollouts.jsonl (``run.rollouts_per_step``)."""
+    eval_every: int = 0
+    """Evaluate the policy before step 0, every this many steps and after the last (``run.eval_every``; 0: never)."""
     report_to: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     """Metric sinks besides metrics.jsonl (``run.report_to``)."""
     wandb_project: str = "yatt"
@@ -254,6 +256,8 @@ class TrainerRank:
             if restored and external:
                 await asyncio.to_thread(self._gather, self.trainer.step)
         try:
+            if self.trainer.step == 0 and self._eval_due(0):
+                await self._evaluate(buffer, 0)
             while self.trainer.step < self.cfg.steps and not stop.is_set():
                 await self._step(buffer, directory)
             await self._mark_written(wait=True)
@@ -335,7 +339,7 @@ class TrainerRank:
             await self._mark_written(wait=False)
         ckpt_s = time.perf_counter() - ckpt_start
         wake_start = time.perf_counter()
-        if self.layout == "colocated" and version < self.cfg.steps:
+        if self.layout == "colocated" and (version < self.cfg.steps or self._eval_due(version)):
             await self._resume_generation(buffer, version)
         elif self.layout == "partial" and not pushed and self.rank == 0:
             await self._wake_generators(directory)
@@ -369,6 +373,29 @@ class TrainerRank:
             assert self._log is not None
             self._log.metrics(line)
             await asyncio.to_thread(self._log.rollouts, step, report.groups)
+        if self._eval_due(version):
+            await self._evaluate(buffer, version)
+
+    def _eval_due(self, version: int) -> bool:
+        """Evaluate the weights of ``version``: before the first step, every eval_every, after the last."""
+        every = self.cfg.eval_every
+        return bool(every) and (version % every == 0 or version == self.cfg.steps)
+
+    async def _evaluate(self, buffer: BufferLink, version: int) -> None:
+        """Evaluate the generators' weights of ``version`` on the held-out prompts: rank 0
+        asks the buffer (which runs the round through the controllers) and logs eval/*; every
+        rank waits for it in a barrier, its event loop free, so a colocated engine serves the
+        evaluation and nothing newer is trained or published meanwhile."""
+        start, report = time.perf_counter(), None
+        with trace.span("evaluate"):
+            if self.rank == 0:
+                query = Query(what="evaluate", args={"version": str(version), "rollouts": str(self.cfg.rollouts_per_step)})
+                report = await buffer.request(query, StepReport, timeout=math.inf)
+            await asyncio.to_thread(dist.barrier)
+        if self._log is not None and report is not None:
+            line = {"step": float(version), **report.values, "time/eval_s": time.perf_counter() - start}
+            self._log.metrics(line, kind="eval")
+            await asyncio.to_thread(self._log.rollouts, version, report.groups, kind="eval")
 
     async def _take_turn(self, directory: Directory) -> None:
         """Hand the slots from the engines to training: the colocated rank pauses its own

@@ -9,6 +9,8 @@ micro-batch is assembled, so training starts before the step's batch is complete
     controllers --PlanRequest--> (wait for a new plan) -> DispatchPlan
     trainer r   --MicroBatchRequest(step, index)--> (wait for the wave) -> MicroBatch
     trainer 0   --PolicyVersion(k+1)--> reopens the window (on-policy mode)
+    trainer 0   --Query("evaluate", version)--> (wait for the round) -> StepReport of eval/*
+                (its keys join the controllers' plans; yatt.evaluation)
     trainer 0   --Query("checkpoint", dir)--> the ledger's mark into the checkpoint
     launcher    --Query("rewind", dir)--> back to a checkpoint (a trainer group restarts)
     anyone      --Query("stats")--> Metrics
@@ -46,8 +48,9 @@ from protocols.messages import (
 )
 from yatt import trace
 from yatt.actor import Actor, handles
-from yatt.config import BufferConfig
+from yatt.config import BufferConfig, EvalConfig
 from yatt.errors import ConfigError, ProtocolError, RunStopped, StorageError
+from yatt.evaluation import EvalRound, is_eval
 from yatt.ledger import Ledger
 from yatt.sampling import SamplingBuffer, step_report
 from yatt.transport import Transport
@@ -74,8 +77,13 @@ class Buffer(Actor):
         ledger_path: Path,
         resume_from: Path | None = None,
         total_steps: int | None = None,
+        num_eval_prompts: int = 0,
+        eval_config: EvalConfig | None = None,
     ) -> None:
         super().__init__(transport, endpoint=endpoint)
+        self.num_eval_prompts = num_eval_prompts
+        self.eval_config = eval_config or EvalConfig()
+        self.evaluation: EvalRound | None = None  # the round being run, or the last one
         self.ledger = Ledger(ledger_path, group_commit=True)
         self._new_core: Callable[[], SamplingBuffer] = lambda: SamplingBuffer(
             config,
@@ -143,6 +151,8 @@ class Buffer(Actor):
 
     @handles(ScoredGroup)
     async def offer(self, msg: ScoredGroup) -> Ack:
+        if is_eval(msg.group_key):
+            return await self._offer_eval(msg)
         with trace.span("offer"), self._ledger_writes():
             decision = self.core.offer(msg)
         self._decisions[decision] = self._decisions.get(decision, 0) + 1
@@ -151,6 +161,37 @@ class Buffer(Actor):
         if self.core.stalled:
             self.spawn(self._stop_with(RunStopped(self.core.stalled)), name="stalled")
         return Ack(info={"decision": decision})
+
+    async def _offer_eval(self, msg: ScoredGroup) -> Ack:
+        """A result of an evaluation: kept by the round it belongs to (late ones of another
+        round are ignored); never in the ledger, which holds what trains."""
+        round_ = self.evaluation
+        if round_ is None or round_.keys[0].epoch != msg.group_key.epoch:
+            return Ack(info={"decision": "not evaluating this version"})
+        decision = round_.offer(msg)
+        if round_.done:
+            self.core.plan_seq += 1  # the eval keys leave the plans
+            await self._notify()
+        return Ack(info={"decision": decision})
+
+    async def _evaluate(self, version: int, rollouts: int) -> StepReport:
+        """Run the evaluation of ``version`` (or join the one running, or answer the one
+        done): its keys join the plans; returns once every result is in."""
+        if not self.num_eval_prompts:
+            raise ConfigError("the run has no held-out prompts to evaluate on: set data.eval_split or data.eval_path")
+        if self.evaluation is None or self.evaluation.version != version:
+            self.evaluation = EvalRound(
+                self.eval_config, version=version, num_prompts=self.num_eval_prompts, num_shards=self.core.num_shards
+            )
+            self.core.plan_seq += 1
+            await self._notify()
+        round_ = self.evaluation
+        async with self._changed:
+            await self._changed.wait_for(lambda: round_.done or self.evaluation is not round_)
+        if self.evaluation is not round_:
+            raise ProtocolError(f"the evaluation of version {version} was replaced by one of version {self.evaluation.version}")
+        values, groups = round_.report()
+        return StepReport(step=version, values=values, groups=groups[:rollouts])
 
     @handles(PlanRequest)
     async def plan(self, msg: PlanRequest) -> DispatchPlan:
@@ -170,7 +211,7 @@ class Buffer(Actor):
         self._controller_wait_s += time.perf_counter() - start
         return DispatchPlan(
             plan_seq=self.core.plan_seq,
-            keys=self.core.plan(msg.shard),
+            keys=(self.evaluation.plan(msg.shard) if self.evaluation is not None else []) + self.core.plan(msg.shard),
             min_policy_version=self.core.min_policy_version,
             step=self.core.step,
         )
@@ -243,11 +284,13 @@ class Buffer(Actor):
             self.core = self._rebuild()
             await self._notify()
             return Ack(info={"step": str(self.core.step)})
+        if msg.what == "evaluate":
+            return await self._evaluate(int(msg.args["version"]), int(msg.args.get("rollouts", "0")))
         if msg.what == "step_report":
             step = int(msg.args["step"])
             values, groups = step_report(self.core.step_groups.pop(step, []), rollouts=int(msg.args.get("rollouts", "0")))
             return StepReport(step=step, values=values, groups=groups)
-        raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_report")
+        raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_report, evaluate")
 
     def _checkpoint_dir(self, msg: Query) -> Path:
         """A checkpoint directory of this run: nothing a message says makes the buffer write

@@ -480,6 +480,12 @@ class DataConfig:
     """Longest prompt allowed, in tokens (template included); a longer one is an error. 0: no limit."""
     apply_chat_template: bool = True
     """Wrap each prompt in the tokenizer's chat template (when it has one); false: plain text."""
+    eval_path: str = ""
+    """Held-out prompts for evaluation (run.eval_every): a file or directory of the same kind
+    and fields as the training data (jsonl/parquet by its suffix); empty: none, or eval_split."""
+    eval_split: float = 0.0
+    """Hold out this share (0 < x < 1) or this many (x >= 1) of the training prompts for
+    evaluation, chosen with data.seed and never trained on; 0: none (or eval_path)."""
 
     def __post_init__(self) -> None:
         if self.source == "synthetic" and self.path:  # a path means a file source: which one, by its suffix
@@ -510,6 +516,61 @@ class DataConfig:
         require(bool(self.prompt_field), "prompt_field", "must name the prompt column")
         require(self.num_prompts >= 0, "num_prompts", f"must be >= 0 (got {self.num_prompts})")
         require(self.max_prompt_tokens >= 0, "max_prompt_tokens", f"must be >= 0 (got {self.max_prompt_tokens})")
+        require(self.eval_split >= 0, "eval_split", f"must be >= 0 (got {self.eval_split})")
+        require(
+            self.eval_split < 1 or self.eval_split == int(self.eval_split),
+            "eval_split",
+            f"is a share (0 < x < 1) or a count of prompts (a whole number), not {self.eval_split}",
+        )
+        require(
+            not (self.eval_split and self.eval_path),
+            "eval_split",
+            "and data.eval_path are both set; evaluate on a held-out split or on a file, not both",
+        )
+        if self.eval_path:
+            require(
+                Path(self.eval_path).suffix in (".jsonl", ".json", ".parquet") or Path(self.eval_path).is_dir(),
+                "eval_path",
+                f"= {self.eval_path!r} is not a .jsonl, .json or .parquet file or a directory of them",
+            )
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether the run has held-out prompts to evaluate on."""
+        return bool(self.eval_path or self.eval_split)
+
+    def eval_source(self) -> DataConfig:
+        """The config that reads ``eval_path`` with this config's fields and template."""
+        import dataclasses
+
+        suffix = Path(self.eval_path).suffix
+        files = Path(self.eval_path).glob("*.parquet") if not suffix else []
+        parquet = suffix == ".parquet" or any(True for _ in files)
+        return dataclasses.replace(self, source="parquet" if parquet else "jsonl", path=self.eval_path, eval_path="", num_prompts=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluation on the held-out prompts (data.eval_path or data.eval_split), every
+    run.eval_every steps and before the first: each prompt once greedily and ``n`` times
+    sampled, through the run's own controllers, generators and reward workers."""
+
+    greedy: bool = True
+    """One greedy completion per prompt (temperature 0): eval/<scorer>/greedy and /accuracy."""
+    n: int = 4
+    """Sampled completions per prompt: eval/<scorer>/mean@n and pass@n; 0: none."""
+    temperature: float = 1.0
+    """Temperature of the sampled completions."""
+    pass_threshold: float = 1.0
+    """A completion passes (accuracy, pass@n) when its score reaches this."""
+    max_new_tokens: int = 0
+    """Longest completion; 0: controller.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        require(self.n >= 0, "n", f"must be >= 0, 0 for no sampled completions (got {self.n})")
+        require(self.greedy or self.n > 0, "greedy", "is false and eval.n is 0: nothing would be evaluated")
+        require(self.temperature > 0, "temperature", f"must be > 0 for sampled completions (got {self.temperature})")
+        require(self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0 (got {self.max_new_tokens})")
 
 
 @dataclass(frozen=True, kw_only=True)

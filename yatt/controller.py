@@ -11,6 +11,9 @@ The loop, per group (one prompt, n samples)::
             ScoredGroup     -> buffer          (waits: the ledger's fsync; Ack = decided)
         keys that left the plan (superseded) and are still generating are cancelled
 
+An evaluation is more keys in the same plan (``yatt.evaluation``): held-out prompts,
+sampled greedily or as ``eval`` says, scored by the same reward pool, with no advantages.
+
 What unblocks it: a new plan (the buffer's long poll answers when decisions or the
 policy version move the dispatch window). Over-sampling, the staleness bound and the
 order of prompts are the buffer's (see ``yatt.sampling``), so a controller is stateless:
@@ -47,9 +50,10 @@ from protocols.messages import (
 )
 from yatt import rl_math
 from yatt.actor import Actor, handles
-from yatt.config import AlgorithmConfig, ControllerConfig
+from yatt.config import AlgorithmConfig, ControllerConfig, EvalConfig
 from yatt.data import Prompt
 from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, TransportError
+from yatt.evaluation import GREEDY, eval_version, is_eval
 from yatt.registry import Directory
 from yatt.transport import Transport
 
@@ -88,21 +92,26 @@ def scored_group(
     algorithm: AlgorithmConfig,
     max_new_tokens: int,
 ) -> ScoredGroup:
-    """The buffer's view of a finished group: rewards (+ overlong penalty) and advantages."""
+    """The buffer's view of a finished group: rewards (+ overlong penalty) and advantages;
+    an eval group's rewards are the scores as they are, and it has no advantages."""
     items = completions.completions
     rewards = scores.rewards.to(torch.float32).clone()  # [n]
-    if algorithm.overlong_buffer:
+    if is_eval(key):
+        advantage = torch.zeros_like(rewards)
+    elif algorithm.overlong_buffer:
         lengths = torch.tensor([len(c.token_ids) for c in items])
         rewards += rl_math.overlong_penalty(
             lengths, max_new_tokens=max_new_tokens, buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty
         )
+    if not is_eval(key):
+        advantage = advantages(rewards, algorithm).to(torch.float32)
     return ScoredGroup(
         group_key=key,
         prompt_ids=torch.tensor(prompt.prompt_ids, dtype=torch.int32),
         completion_ids=[c.token_ids for c in items],
         rollout_logprobs=[c.logprobs for c in items],
         rewards=rewards,
-        advantages=advantages(rewards, algorithm).to(torch.float32),
+        advantages=advantage,
         policy_versions=torch.tensor([c.policy_version_min for c in items], dtype=torch.int64),
         finish_reasons=[c.finish_reason for c in items],
         scores={name: values.to(torch.float32) for name, values in scores.components.items()},
@@ -123,7 +132,11 @@ class Controller:
         prompts: list[Prompt],
         directory: Directory,
         seed: int,
+        eval_prompts: list[Prompt] | None = None,
+        evaluation: EvalConfig | None = None,
     ) -> None:
+        """``eval_prompts``: the held-out prompts the buffer's eval keys index, sampled as
+        ``evaluation`` says."""
         if not 0 <= shard < config.num_controllers:
             raise ValueError(f"shard {shard} is outside 0..{config.num_controllers - 1}")
         self.config = config
@@ -133,6 +146,8 @@ class Controller:
         self.prompts = prompts
         self.directory = directory
         self.seed = seed
+        self.eval_prompts = eval_prompts or []
+        self.evaluation = evaluation or EvalConfig()
         self.delivered = 0  # groups this incarnation handed to the buffer
         self.reissued = 0  # requests re-sent after a lost or silent worker
         self._tasks: dict[GroupKey, asyncio.Task[None]] = {}
@@ -179,23 +194,35 @@ class Controller:
             if key not in self._tasks:
                 self._tasks[key] = asyncio.get_running_loop().create_task(self._group(key, plan.min_policy_version))
 
-    async def _group(self, key: GroupKey, min_version: int) -> None:
-        prompt = self.prompts[key.prompt_index]
+    def _request(self, key: GroupKey, min_version: int) -> tuple[Prompt, GenerateRequest]:
+        """The prompt of ``key`` and what to ask a generator for it: the rollout sampling, or
+        an eval key's (greedy: one completion at temperature 0; sampled: eval.n at
+        eval.temperature, with the version the key evaluates)."""
+        c, seed = self.config, sampling_seed(self.seed, key)
+        if not is_eval(key):
+            sampling = SamplingParams(
+                temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens, seed=seed
+            )
+            prompt, n = self.prompts[key.prompt_index], self.group_size
+        else:
+            e = self.evaluation
+            max_new_tokens = e.max_new_tokens or c.max_new_tokens
+            if key.attempt == GREEDY:
+                sampling, n = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed), 1
+            else:
+                sampling = SamplingParams(
+                    temperature=e.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=max_new_tokens, seed=seed
+                )
+                n = e.n
+            prompt, min_version = self.eval_prompts[key.prompt_index], eval_version(key)
         prompt_ids = torch.tensor(prompt.prompt_ids, dtype=torch.int32)
-        sampling = SamplingParams(
-            temperature=self.config.temperature,
-            top_p=self.config.top_p,
-            top_k=self.config.top_k,
-            max_new_tokens=self.config.max_new_tokens,
-            seed=sampling_seed(self.seed, key),
-        )
-        completions = await self._call(
-            "generator",
-            GenerateRequest(
-                group_key=key, prompt_ids=prompt_ids, n=self.group_size, sampling=sampling, min_policy_version=min_version
-            ),
-            Completions,
-        )
+        request = GenerateRequest(group_key=key, prompt_ids=prompt_ids, n=n, sampling=sampling, min_policy_version=min_version)
+        return prompt, request
+
+    async def _group(self, key: GroupKey, min_version: int) -> None:
+        prompt, request = self._request(key, min_version)
+        prompt_ids = request.prompt_ids
+        completions = await self._call("generator", request, Completions)
         scores = await self._call(
             "reward",
             ScoreRequest(

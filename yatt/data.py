@@ -24,9 +24,11 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeAlias, cast
+
+import numpy as np
 
 from yatt.config import DataConfig
 from yatt.errors import ConfigError
@@ -68,7 +70,45 @@ class _Example:
 
 
 def load_prompts(config: DataConfig, tokenizer_path: str) -> list[Prompt]:
-    """Every prompt of the run, tokenised with the tokenizer at ``tokenizer_path``."""
+    """Every training prompt of the run, tokenised with the tokenizer at ``tokenizer_path``
+    (without those ``data.eval_split`` holds out)."""
+    prompts = _load(config, tokenizer_path)
+    return _split(config, prompts)[0] if config.eval_split else prompts
+
+
+def load_prompt_sets(config: DataConfig, tokenizer_path: str) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out prompts of evaluation): those ``data.eval_split`` holds
+    out of the data, or ``data.eval_path``'s; no held-out prompts without either."""
+    prompts = _load(config, tokenizer_path)
+    if config.eval_split:
+        return _split(config, prompts)
+    return prompts, _load(config.eval_source(), tokenizer_path) if config.eval_path else []
+
+
+def _split(config: DataConfig, prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
+    """(training, held out): ``data.eval_split`` of the distinct prompts, drawn with
+    ``data.seed``; a training row that repeats a held-out prompt (a generated task can) is
+    left out, so evaluation never sees a prompt the policy trained on. Both re-indexed."""
+    distinct = list({tuple(p.prompt_ids): p for p in reversed(prompts)}.values())[::-1]  # first of each
+    count = round(config.eval_split * len(distinct)) if config.eval_split < 1 else int(config.eval_split)
+    count = max(count, 1)
+    if count >= len(distinct):
+        raise ConfigError(
+            f"data.eval_split = {config.eval_split} holds out {count} of the {len(distinct)} distinct prompts; "
+            "leave some to train on (a smaller share or count)"
+        )
+    chosen = np.random.default_rng([config.seed, 1]).choice(len(distinct), size=count, replace=False)
+    held = [distinct[i] for i in sorted(int(i) for i in chosen)]
+    held_ids = {tuple(p.prompt_ids) for p in held}
+    train = [p for p in prompts if tuple(p.prompt_ids) not in held_ids]
+    return _reindexed(train), _reindexed(held)
+
+
+def _reindexed(prompts: list[Prompt]) -> list[Prompt]:
+    return [replace(p, index=i) for i, p in enumerate(prompts)]
+
+
+def _load(config: DataConfig, tokenizer_path: str) -> list[Prompt]:
     if config.source == "synthetic":
         examples = _synthetic(config)
     elif config.source == "reasoning_gym":

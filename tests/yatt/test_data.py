@@ -3,6 +3,7 @@ the built-in rewards give hand-computed values; bad configs name the dotted fiel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer
 from workers.models import build_tokenizer
 from yatt.config import DataConfig
 from yatt.configtools import build
-from yatt.data import Prompt, _json_safe, load_prompts
+from yatt.data import Prompt, _json_safe, load_prompt_sets, load_prompts
 from yatt.errors import ConfigError
 from yatt.tasks import (
     TASKS,
@@ -78,6 +79,32 @@ def test_synthetic_prompts_follow_the_seed(tokenizer_dir: str) -> None:
     assert digits_prompts(50, 1) != digits_prompts(50, 2)
     first = load_prompts(DataConfig(num_prompts=8, seed=1), tokenizer_dir)
     assert first == load_prompts(DataConfig(num_prompts=8, seed=1), tokenizer_dir)
+
+
+def test_a_held_out_split_never_shares_a_prompt_with_training(tokenizer_dir: str) -> None:
+    config = DataConfig(num_prompts=300, seed=2, eval_split=20)  # 300 sums of digits: ~100 distinct
+    train, held = load_prompt_sets(config, tokenizer_dir)
+    assert len(held) == 20 and len({p.text for p in held}) == 20
+    assert not {p.text for p in held} & {p.text for p in train}, "a held-out prompt is trained on"
+    everything = load_prompts(DataConfig(num_prompts=300, seed=2), tokenizer_dir)
+    assert len(train) == sum(p.text not in {h.text for h in held} for p in everything) < 300
+    assert [p.index for p in train] == list(range(len(train))) and [p.index for p in held] == list(range(20))
+    assert load_prompts(config, tokenizer_dir) == train and load_prompt_sets(config, tokenizer_dir) == (train, held)
+    assert len(load_prompt_sets(dataclasses.replace(config, eval_split=0.1), tokenizer_dir)[1]) == 10  # of ~100 distinct
+    with pytest.raises(ConfigError, match="leave some to train on"):
+        load_prompt_sets(dataclasses.replace(config, eval_split=500), tokenizer_dir)
+
+
+def test_eval_prompts_from_a_file_use_the_data_fields(tokenizer_dir: str, tmp_path: Path) -> None:
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) + "\n" for i in range(3)))
+    config = DataConfig(num_prompts=10, prompt_field="q", answer_field="a", eval_path=str(path))
+    train, held = load_prompt_sets(config, tokenizer_dir)
+    assert len(train) == 10 and [p.metadata["answer"] for p in held] == ["1", "2", "3"]
+    with pytest.raises(ConfigError, match="eval_split"):
+        DataConfig(eval_split=0.5, eval_path=str(path))
+    with pytest.raises(ConfigError, match="eval_split"):
+        DataConfig(eval_split=2.5)
 
 
 def test_every_task_makes_answers_its_reward_accepts() -> None:

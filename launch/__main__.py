@@ -1,6 +1,7 @@
 """``python -m launch run [CONFIG.yaml] [dotted.key=value ...] [--run-dir DIR] [--resume DIR]``;
 ``python -m launch slurm [CONFIG.yaml] [dotted.key=value ...] --nodes N [--submit]`` on a SLURM cluster;
-``python -m launch plan [CONFIG.yaml] [dotted.key=value ...] [--from RUN_DIR]`` prints the placement candidates.
+``python -m launch plan [CONFIG.yaml] [dotted.key=value ...] [--from RUN_DIR]`` prints the placement candidates;
+``python -m launch eval RUN_DIR|MODEL_DIR [CONFIG.yaml] [dotted.key=value ...]`` evaluates a model on held-out prompts.
 
 With no config it runs the built-in default: a tiny model built from a config, a
 tokenizer trained in-process, a synthetic task with a shaped reward, 2 controllers,
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from launch import plan, slurm
+from launch import evaluate, plan, slurm
 from launch.config import load_run_config, split_items
 from launch.local import LocalLauncher, latest_checkpoint
 from yatt.configtools import to_dict
@@ -27,7 +28,8 @@ SECTIONS = """config sections (a YAML file with any of them, or dotted.key=value
 documented where its class is defined; --print-config shows them all with their values):
   run        the run as a whole: steps, processes, restarts, authentication  launch/config.py: RunSettings
   model      the policy: local path, dtype                                    yatt/config.py: ModelConfig
-  data       prompts: synthetic, jsonl, parquet, reasoning_gym                yatt/config.py: DataConfig
+  data       prompts: synthetic, jsonl, parquet, reasoning_gym; held-out ones yatt/config.py: DataConfig
+  eval       evaluation: greedy, n samples, pass threshold (run.eval_every)  yatt/config.py: EvalConfig
   controller sampling, request timeouts                                       yatt/config.py: ControllerConfig
   generator  engine (transformers, vllm), batching                           yatt/config.py: GeneratorConfig
   reward     the scorers of the reward mix                                    yatt/config.py: RewardConfig
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     slurm.add_parsers(sub)
     plan.add_parser(sub)
+    evaluate.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command != "run":
         try:

@@ -423,6 +423,8 @@ class LocalLauncher:
         last_step = time.monotonic()
         try:
             while not stop.is_set():
+                if (code := self.outcome(directory)) is not None:
+                    return code
                 if progress.update():
                     last_step = time.monotonic()
                 stall = self.cfg.run.stall_timeout_s
@@ -469,6 +471,11 @@ class LocalLauncher:
             return 130
         finally:
             progress.close()
+
+    def outcome(self, directory: Directory) -> int | None:
+        """The launcher's exit code once its work is done by another sign than trainer rank 0
+        finishing (``launch eval``); None meanwhile."""
+        return None
 
     def _kill_hung(self, directory: Directory) -> None:
         """SIGKILL a role process that stopped answering: the registry dropped it, its peers

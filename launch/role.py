@@ -86,7 +86,7 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
         seed=cfg.run.seed,
         ledger_path=args.run_dir / "ledger.db",
         resume_from=args.resume,
-        total_steps=cfg.run.steps,
+        total_steps=0 if args.eval_only else cfg.run.steps,
         num_eval_prompts=len(eval_prompts),
         eval_config=cfg.eval,
     )
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", type=Path, required=True, help="the resolved local model directory")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint dir to resume from")
     parser.add_argument("--incarnation", type=int, default=0, help="a trainer group's restarts in the run")
+    parser.add_argument("--eval-only", action="store_true", help="buffer: dispatch nothing to train (launch eval)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--host", default=None, help="the address to bind on (default run.host; on SLURM its node's)")
     args = parser.parse_args(argv)

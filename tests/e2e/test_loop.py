@@ -295,6 +295,48 @@ def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
     assert "is done: its last checkpoint is step 5" in (run_dir.parent / "extended.launcher.log").read_text()
 
 
+def evals(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_evaluation_on_held_out_prompts_in_the_run_and_after_it(tmp_path: Path) -> None:
+    """Evaluated before step 0, every 3 steps and at the end, through the run's own
+    processes (colocated: the trainer ranks' engines serve it), on 20 held-out prompts; an
+    extended run evaluates what is new; ``launch eval`` gives the final model's figures."""
+    run_dir = tmp_path / "evaluated"
+    job = ("placement.layout=colocated", "data.eval_split=20", "run.eval_every=3", "eval.n=2")
+    finish(launch(run_dir, "run.steps=6", *job), run_dir)
+    finish(launch(run_dir, "run.steps=9", *job, resume=run_dir), run_dir)
+    rows = evals(run_dir / "eval.jsonl")
+    assert [int(r["step"]) for r in rows] == [0, 3, 6, 9]
+    assert all(r["eval/prompts"] == 20 and r["eval/policy_version"] == r["step"] for r in rows)
+    assert {"eval/digits/greedy", "eval/digits/accuracy", "eval/digits/mean@2", "eval/digits/pass@2"} <= set(rows[-1])
+    samples = [json.loads(line) for line in (run_dir / "eval_rollouts.jsonl").read_text().splitlines()]
+    assert Counter(r["step"] for r in samples) == {0: 2, 3: 2, 6: 2, 9: 2}  # 2 greedy groups of 1 each
+    assert all(r["group"].startswith("e-") and r["prompt"] for r in samples)
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        assert all(e.key.epoch >= 0 for e in ledger.entries()), "an eval group reached the training ledger"
+    finally:
+        ledger.close()
+    # The finished run's final model, evaluated from the command line: the same greedy figures.
+    out = tmp_path / "eval-final"
+    done = subprocess.run(
+        [sys.executable, "-m", "launch", "eval", str(run_dir), "--run-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "eval/digits/accuracy" in done.stdout
+    [final] = evals(out / "eval.jsonl")
+    assert final["step"] == 9 and final["eval/prompts"] == 20
+    assert abs(final["eval/digits/greedy"] - rows[-1]["eval/digits/greedy"]) <= 0.1
+    # A model directory with a config that holds out nothing: refused at once, in one line.
+    refused = subprocess.run(
+        [sys.executable, "-m", "launch", "eval", str(run_dir / "final")], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "data.eval_split" in refused.stderr
+
+
 def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
     run_dir = tmp_path / "async"
     finish(launch(run_dir, "run.steps=8", "buffer.max_staleness=2", "placement.layout=disaggregated"), run_dir)

@@ -56,6 +56,10 @@ def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.Captur
         ("controller.request_timeout_s=-1", r"controller\.request_timeout_s.*must be > 0 seconds"),
         ("run.stall_timeout_s=-3", r"run\.stall_timeout_s.*must be >= 0"),
         ("run.host=0.0.0.0", r"run\.host.*must be a loopback address"),
+        ("run.eval_every=5", r"run\.eval_every.*nothing to evaluate on: set data\.eval_split"),
+        ("eval.n=-1", r"eval\.n.*must be >= 0"),
+        ("data.eval_split=-0.1", r"data\.eval_split.*must be >= 0"),
+        ("run.eval_every=3 data.eval_split=10 trainer.weight_sync_every=2 buffer.max_staleness=1", r"run\.eval_every.*multiple of 2"),
         ("run.report_to=[tensorboard,mlflow]", r"run\.report_to.*knows tensorboard and wandb, not \['mlflow'\]"),
         ("run.rollouts_per_step=-1", r"run\.rollouts_per_step.*must be >= 0"),
         ("trainer.keep_checkpoints=-2", r"trainer\.keep_checkpoints.*must be >= 0"),
@@ -65,7 +69,7 @@ def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.Captur
 def test_values_that_cannot_work_are_refused_before_anything_starts(
     override: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    assert main(["run", override, "--run-dir", str(tmp_path / "run")]) == 2
+    assert main(["run", *override.split(), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, "one line, no traceback"
     assert err.startswith("yatt: config error:")

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "e2e": "benchmarks.e2e",
     "faults": "benchmarks.faults",
     "generation": "benchmarks.generation",
+    "lora": "benchmarks.lora",
     "stages": "benchmarks.stages",
     "staleness": "benchmarks.staleness",
     "transport": "benchmarks.transport",

@@ -155,6 +155,11 @@ class RunConfig:
             f"= {self.run.eval_every} evaluates weights the generators never get (trainer.weight_sync_every = "
             f"{every}); make it a multiple of {every}",
         )
+        require(
+            not self.model.lora.rank or self.generator.backend == "transformers",
+            "model.lora.rank",
+            "> 0 needs generator.backend=transformers: sending adapters to vLLM engines is not built yet",
+        )
         mbs, runs = self.buffer.micro_batches_per_step, self.trainer.mini_batches
         require(
             mbs % runs == 0,

@@ -118,7 +118,9 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
     from workers.engines import make_engine
     from workers.generator import Generator
 
-    engine = await asyncio.to_thread(make_engine, str(args.model_path), cfg.generator, device=args.device, dtype=cfg.model.dtype)
+    engine = await asyncio.to_thread(
+        make_engine, str(args.model_path), cfg.generator, device=args.device, dtype=cfg.model.dtype, lora=cfg.model.lora
+    )
     actor = Generator(transport, endpoint=f"tcp://{args.host}:*", engine=engine, config=cfg.generator)
     await _serve(actor, args.registry, stop)
 

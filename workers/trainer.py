@@ -114,6 +114,7 @@ from transformers import (
 
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
+from workers.lora import is_adapter, with_lora
 from yatt import rl_math, trace
 from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
@@ -169,7 +170,12 @@ class Trainer:
         # and freshly initialised weights (the critic's head) must agree across ranks.
         torch.manual_seed(trainer.seed)
         random.seed(trainer.seed)
-        self.policy = self._shard(_load(AutoModelForCausalLM.from_pretrained, model_path), trainable=True)
+        self._lora = model.lora if model.lora.rank else None
+        policy = _load(AutoModelForCausalLM.from_pretrained, model_path)
+        self.policy = self._shard(with_lora(policy, self._lora) if self._lora else policy, trainable=True, peft=bool(self._lora))
+        if self._lora:  # only the adapters train (and are sent, and hold optimizer state)
+            for name, param in self.policy.named_parameters():
+                param.requires_grad_(is_adapter(name))
         self.reference = (
             self._shard(_load(AutoModelForCausalLM.from_pretrained, model_path), trainable=False)
             if algorithm.kl_coef > 0
@@ -208,15 +214,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _shard(self, module: PreTrainedModel, *, trainable: bool) -> PreTrainedModel:
-        """fully_shard each decoder layer, then the root; gradients summed, not averaged."""
-        layers = _decoder_layers(module)
+    def _shard(self, module: PreTrainedModel, *, trainable: bool, peft: bool = False) -> PreTrainedModel:
+        """fully_shard each decoder layer, then the root; gradients summed, not averaged.
+        ``peft``: the root is the transformers model inside peft's wrapper, whose forward is
+        what both training (through the wrapper) and a colocated engine's generate() run."""
+        root = cast(PreTrainedModel, cast(Any, module).get_base_model()) if peft else module
+        layers = _decoder_layers(root)
         if self._config.activation_checkpointing and trainable:
             for i, layer in enumerate(layers):
                 layers[i] = checkpoint_wrapper(layer)
         for layer in layers:
             fully_shard(layer, mesh=self._mesh, mp_policy=self._mp)
-        fully_shard(module, mesh=self._mesh, mp_policy=self._mp)
+        fully_shard(root, mesh=self._mesh, mp_policy=self._mp)
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 # Token sums are divided by the global count later; FSDP's default mean over
@@ -234,7 +243,7 @@ class Trainer:
         """AdamW over the module's (sharded) parameters and its warmup + decay schedule."""
         c = self._config
         optimizer = torch.optim.AdamW(
-            module.parameters(), lr=lr, betas=(c.betas[0], c.betas[1]), weight_decay=c.weight_decay
+            [p for p in module.parameters() if p.requires_grad], lr=lr, betas=(c.betas[0], c.betas[1]), weight_decay=c.weight_decay
         )
         return optimizer, LambdaLR(optimizer, _schedule(c.schedule, c.warmup_steps, total))
 
@@ -736,9 +745,14 @@ class Trainer:
             config = AutoConfig.from_pretrained(self.model_path)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+                if self._lora:
+                    model = with_lora(model, self._lora)
             model.load_state_dict(
                 {k: cast(Tensor, v).to(self.compute_dtype) for k, v in full.items()}, assign=True
             )
+            if self._lora:  # the adapter alone (peft loads it on the base), then merged for any engine
+                model.save_pretrained(out / "adapter")
+                model = model.merge_and_unload()
             model.config.dtype = self.compute_dtype
             model.save_pretrained(out)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
@@ -749,7 +763,7 @@ class Trainer:
         dist.barrier()
 
     def weight_buckets(self, version: int, bucket_bytes: int) -> Iterator[WeightUpdate]:
-        """The policy's full tensors in HF naming, packed into buckets of at most
+        """The policy's full tensors in HF naming (with LoRA, its adapters only), packed into buckets of at most
         ``bucket_bytes`` (one tensor larger than that travels alone); collective.
 
         Rank 0 yields every bucket; the other ranks yield nothing but must exhaust the
@@ -760,18 +774,22 @@ class Trainer:
         if bucket_bytes < 1:
             raise ConfigError(f"trainer.weight_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        sizes = [(name, numel * itemsize) for name, numel in self._policy_tensor_sizes()]
+        sizes = [(name, numel * itemsize) for name, numel in self._policy_tensor_sizes() if self._published(name)]
         plan = _plan_buckets(sizes, bucket_bytes)
         gathered: dict[str, Tensor] = {}
         index = 0
         for name, full in self._policy_tensors(full=True):
-            if self.rank == 0:
+            if self.rank == 0 and self._published(name):
                 gathered[name] = full.to("cpu", self.compute_dtype, copy=True)  # FSDP frees `full` next
             while self.rank == 0 and index < len(plan) and all(n in gathered for n in plan[index]):
                 names = plan[index]
                 tensors = [gathered.pop(n) for n in names]
                 yield WeightUpdate(version=version, bucket_index=index, num_buckets=len(plan), names=names, tensors=tensors)
                 index += 1
+
+    def _published(self, name: str) -> bool:
+        """Whether the generators get tensor ``name``: every one, or with LoRA the adapters."""
+        return self._lora is None or is_adapter(name)
 
     def _policy_tensor_sizes(self) -> list[tuple[str, int]]:
         """(HF name, element count) of every tensor the generators load, in the order

@@ -16,6 +16,24 @@ from yatt.tasks import TASKS
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters (peft's LoRA) instead of full fine-tuning: the trainer trains only
+    the adapters, generators receive only them, exports hold them and the merged model."""
+
+    rank: int = 0
+    """Rank r of each adapter; 0: full fine-tuning."""
+    alpha: int = 16
+    """Scale numerator: the update is (alpha / rank) * B @ A, as peft's lora_alpha."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers that get adapters (peft's target_modules)."""
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 0, "rank", f"must be >= 0, 0 for full fine-tuning (got {self.rank})")
+        require(self.alpha > 0, "alpha", f"must be > 0 (got {self.alpha})")
+        require(not self.rank or bool(self.target_modules), "target_modules", "must name at least one layer")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which policy model to train and serve."""
 
@@ -24,6 +42,8 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype of trainer and engines (master weights stay float32): auto is bfloat16 on
     GPU and on CPUs with native bf16 (AMX or AVX512-BF16), else float32."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (lora.rank > 0) instead of full fine-tuning."""
 
 
 @dataclass(frozen=True, kw_only=True)

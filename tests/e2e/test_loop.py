@@ -337,6 +337,23 @@ def test_evaluation_on_held_out_prompts_in_the_run_and_after_it(tmp_path: Path) 
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "data.eval_split" in refused.stderr
 
 
+def test_lora_adapters_go_to_generator_processes_and_colocated_engines(tmp_path: Path) -> None:
+    """LoRA: adapters pushed to a generator process (disaggregated), then the run resumed
+    colocated (each rank's engine generates with its own peft-wrapped module); the export
+    holds the adapter and the merged model."""
+    run_dir = tmp_path / "lora"
+    lora = ("model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]", "trainer.checkpoint_every=2")
+    finish(launch(run_dir, "run.steps=4", "placement.layout=disaggregated", *lora), run_dir)
+    finish(launch(run_dir, "run.steps=6", "placement.layout=colocated", resume=run_dir), run_dir)
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(6))
+    adapter = json.loads((run_dir / "final" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    from safetensors import safe_open
+
+    with safe_open(str(run_dir / "final" / "model.safetensors"), "pt") as merged:
+        assert not any("lora" in k or "base_layer" in k for k in merged.keys())  # a plain model
+
+
 def test_async_mode_respects_the_staleness_bound(tmp_path: Path) -> None:
     run_dir = tmp_path / "async"
     finish(launch(run_dir, "run.steps=8", "buffer.max_staleness=2", "placement.layout=disaggregated"), run_dir)

@@ -23,8 +23,9 @@ from torch.multiprocessing.spawn import spawn as mp_spawn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocols.messages import GroupKey, MicroBatch
+from workers.engines.hf import HFEngine
 from workers.trainer import Trainer, _plan_buckets
-from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from yatt.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError
 
 Results = dict[str, Any]
@@ -101,12 +102,14 @@ def spawn(fn: Callable[..., None], world_size: int, *args: object) -> None:
 
 
 def make_trainer(
-    model_dir: str, algorithm: AlgorithmConfig | None = None, *, temperature: float = 1.0, **trainer: Any
+    model_dir: str, algorithm: AlgorithmConfig | None = None, *, temperature: float = 1.0,
+    lora: LoRAConfig | None = None, **trainer: Any,
 ) -> Trainer:
     config = TrainerConfig(**{"lr": 1e-3, "grad_clip": 0.0, **trainer})
     algorithm = algorithm or AlgorithmConfig()
     # float32: the math is checked exactly; bf16 agreement is tests/workers/test_generator.py's
-    return Trainer(ModelConfig(dtype="float32"), config, algorithm, model_path=model_dir, temperature=temperature)
+    model = ModelConfig(dtype="float32", lora=lora or LoRAConfig())
+    return Trainer(model, config, algorithm, model_path=model_dir, temperature=temperature)
 
 
 def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -295,6 +298,35 @@ def on_gpu(rank: int, model_dir: str, out: str, export: str) -> None:
 # ---------------------------------------------------------------- fixtures
 
 
+LORA = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+def lora_ranks(rank: int, model_dir: str, out: str, export: str) -> None:
+    """2 ranks train LoRA adapters for 4 steps; the buckets, the export, the state."""
+    batch, results = make_batch(), Results()
+    trainer = make_trainer(model_dir, lr=2e-2, lora=LORA)
+    results["before"] = full_params(trainer)
+    nll = [batch_nll(trainer, batch)]
+    for step in range(4):
+        trainer.train_step(rank_batches(supervised(batch), SPLITS_2[rank], step, rank))
+        nll.append(batch_nll(trainer, batch))
+    results["nll"], results["after"] = nll, full_params(trainer)
+    optimizer = trainer._trained["policy"][1]
+    results["optimized"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    results["trainable"] = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
+    results["buckets"] = list(trainer.weight_buckets(version=4, bucket_bytes=BUCKET_BYTES))
+    results["logprobs"] = trainer.logprobs(batch["input_ids"], batch["attention_mask"])
+    trainer.export_hf(export)
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_model_dir: Path, work_dir: Path) -> Results:
+    spawn(lora_ranks, 2, str(tiny_model_dir), str(work_dir / "lora.pt"), str(work_dir / "lora_export"))
+    return torch.load(work_dir / "lora.pt", weights_only=False)  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("trainer")
@@ -442,6 +474,45 @@ def test_bucket_plan_packs_in_order_and_isolates_large_tensors() -> None:
     sizes = [("a", 40), ("b", 50), ("c", 10), ("d", 150), ("e", 30), ("f", 70)]
     assert _plan_buckets(sizes, 100) == [["a", "b", "c"], ["d"], ["e", "f"]]
     assert _plan_buckets([("x", 5)], 1) == [["x"]]
+
+
+def test_lora_trains_only_the_adapters_and_sends_only_them(lora: Results, tiny_model_dir: Path, work_dir: Path) -> None:
+    assert lora["nll"][-1] < lora["nll"][0] - 0.05, lora["nll"]  # the adapters learn
+    before, after = lora["before"], lora["after"]
+    adapters = {n for n in after if ".lora_A." in n or ".lora_B." in n}
+    assert len(adapters) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
+    assert sorted(lora["trainable"]) == sorted(adapters)
+    for name in after:  # the base model never moves; every adapter does (B starts at zero)
+        assert torch.equal(before[name], after[name]) == (name not in adapters), name
+    base = sum(t.numel() for n, t in after.items() if n not in adapters)
+    assert lora["optimized"] == sum(after[n].numel() for n in adapters) < base / 50  # AdamW state: adapters only
+    # The generators get the adapters, nothing else, and apply them: the engine's log-probs are the trainer's.
+    sent = {n: t for b in lora["buckets"] for n, t in zip(b.names, b.tensors, strict=True)}
+    assert sent.keys() == adapters
+    engine = HFEngine(str(tiny_model_dir), GeneratorConfig(), dtype="float32", lora=LORA)
+    batch = make_batch()
+    row = 0
+    prompt = batch["input_ids"][row][~batch["loss_mask"][row] & batch["attention_mask"][row]].tolist()
+    completion = batch["input_ids"][row][batch["loss_mask"][row]].tolist()
+    expected = lora["logprobs"][row][batch["loss_mask"][row]]
+    assert not torch.allclose(torch.tensor(engine.sequence_logprobs(prompt, completion)), expected, atol=1e-3)
+    with pytest.raises(ProtocolError, match="lacks"):
+        engine.update_weights(list(sent.items())[1:])  # all or nothing: one adapter short
+    with pytest.raises(ProtocolError, match="does not have"):
+        engine.update_weights([*sent.items(), ("base_model.model.lm_head.weight", after["base_model.model.lm_head.weight"])])
+    engine.update_weights(sent.items())
+    torch.testing.assert_close(torch.tensor(engine.sequence_logprobs(prompt, completion)), expected, rtol=1e-4, atol=1e-4)
+    # The export: the merged model loads in plain transformers with the same log-probs; the adapter beside it.
+    _, merged = hf_logprobs(work_dir / "lora_export", batch, 1.0)
+    valid = batch["loss_mask"]
+    torch.testing.assert_close(merged[valid], lora["logprobs"][valid], rtol=1e-4, atol=1e-4)
+    from peft import PeftModel
+
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), work_dir / "lora_export" / "adapter")
+    with torch.no_grad():
+        logits = adapter(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    reloaded = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, batch["input_ids"][:, 1:, None])[..., 0]
+    torch.testing.assert_close(reloaded[valid[:, 1:]], lora["logprobs"][:, 1:][valid[:, 1:]], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -7,24 +7,27 @@ module only when asked, so a transformers-only process never imports vLLM.
 from __future__ import annotations
 
 from workers.engines.base import DType, Engine, PromptRequest, Sample
-from yatt.config import GeneratorConfig
+from yatt.config import GeneratorConfig, LoRAConfig
 from yatt.errors import ConfigError
 
 __all__ = ["Engine", "PromptRequest", "Sample", "make_engine"]
 
 
 def make_engine(
-    model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto"
+    model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto", lora: LoRAConfig | None = None
 ) -> Engine:
     """Start the engine ``config.backend`` names on ``model_path`` (a local HF directory).
 
     ``device`` is "cpu" or "cuda[:i]" (vLLM takes the process's visible GPU); ``dtype`` is
-    ``ModelConfig.dtype`` (auto: bfloat16 on GPU and on a CPU with native bf16, else float32).
+    ``ModelConfig.dtype`` (auto: bfloat16 on GPU and on a CPU with native bf16, else float32);
+    ``lora``: the trainer's adapters (``ModelConfig.lora``; the transformers engine only).
     """
     if config.backend == "transformers":
         from workers.engines.hf import HFEngine
 
-        return HFEngine(model_path, config, device=device, dtype=dtype)
+        return HFEngine(model_path, config, device=device, dtype=dtype, lora=lora)
+    if lora is not None and lora.rank:
+        raise ConfigError("model.lora.rank > 0 needs generator.backend=transformers (adapters to vLLM are not built yet)")
     if config.backend == "vllm":
         from workers.engines.vllm_engine import VLLMEngine
 

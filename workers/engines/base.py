@@ -14,7 +14,7 @@ the one documented exception: vLLM under top-p/top-k truncation). Greedy request
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -152,11 +152,14 @@ class WeightNames:
     name satisfies both.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, only: Callable[[str], bool] | None = None) -> None:
+        """``only``: the names an update carries (LoRA: the adapters); every other is refused."""
         # keep_vars: tied names map to the same Parameter object, on any device (meta too).
         groups: dict[int, list[str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():
+            if only is not None and not only(name):
+                continue
             groups.setdefault(id(tensor), []).append(name)
             self.shapes[name] = tuple(tensor.shape)
         self.groups = [tuple(names) for names in groups.values()]

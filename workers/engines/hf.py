@@ -34,7 +34,8 @@ from workers.engines.base import (
     resolve_dtype,
     validate_requests,
 )
-from yatt.config import GeneratorConfig
+from workers.lora import is_adapter, with_lora
+from yatt.config import GeneratorConfig, LoRAConfig
 from yatt.errors import Closed, ConfigError
 
 # What requests must share to go into one generate call: every sampling parameter but the seed.
@@ -85,16 +86,23 @@ class HFEngine:
     """transformers ``AutoModelForCausalLM`` behind the ``Engine`` protocol."""
 
     def __init__(
-        self, model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto"
+        self, model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto",
+        lora: LoRAConfig | None = None,
     ) -> None:
+        """``lora``: wrap the model in the trainer's LoRA adapters (``workers.lora``); weight
+        updates then carry, and must carry, the adapters only."""
         self._device = torch.device(device)
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"generator device {device!r} needs CUDA, which this machine lacks; use 'cpu'")
         self._dtype = resolve_dtype(dtype, self._device)
         # Any: transformers 5.19's own annotations of generate() and to() do not type-check.
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._dtype)
+        if lora is not None and lora.rank:
+            model = with_lora(model, lora)
         model.to(self._device).eval()
         self._setup(model, config)
+        if lora is not None and lora.rank:
+            self._names = WeightNames(model, only=is_adapter)
 
     @classmethod
     def on_module(cls, model: torch.nn.Module, config: GeneratorConfig, *, device: torch.device) -> HFEngine:

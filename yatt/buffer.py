@@ -179,6 +179,11 @@ class Buffer(Actor):
         done): its keys join the plans; returns once every result is in."""
         if not self.num_eval_prompts:
             raise ConfigError("the run has no held-out prompts to evaluate on: set data.eval_split or data.eval_path")
+        if not 0 <= version <= self.core.version:
+            raise ProtocolError(
+                f"Query('evaluate').args.version={version}: the generators have versions 0..{self.core.version}; "
+                "evaluate a version once it is published"
+            )
         if self.evaluation is None or self.evaluation.version != version:
             self.evaluation = EvalRound(
                 self.eval_config, version=version, num_prompts=self.num_eval_prompts, num_shards=self.core.num_shards

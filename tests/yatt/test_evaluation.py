@@ -114,3 +114,6 @@ async def test_a_run_without_held_out_prompts_refuses_to_evaluate(transport: Tra
     async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
         with pytest.raises(RemoteError, match="eval_split"):
             await client.request(Query(what="evaluate", args={"version": "0"}), StepReport, timeout=5)
+        buffer.num_eval_prompts = 3
+        with pytest.raises(RemoteError, match="once it is published"):  # a version no generator can have
+            await client.request(Query(what="evaluate", args={"version": "10"}), StepReport, timeout=5)

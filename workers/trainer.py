@@ -763,33 +763,47 @@ class Trainer:
         dist.barrier()
 
     def weight_buckets(self, version: int, bucket_bytes: int) -> Iterator[WeightUpdate]:
-        """The policy's full tensors in HF naming (with LoRA, its adapters only), packed into buckets of at most
-        ``bucket_bytes`` (one tensor larger than that travels alone); collective.
+        """The policy's full tensors in HF naming (with LoRA, its adapters only), packed
+        into buckets of at most ``bucket_bytes`` (one tensor larger than that travels
+        alone); collective.
 
         Rank 0 yields every bucket; the other ranks yield nothing but must exhaust the
         iterator too. Each FSDP module (a decoder layer, then the root) is unsharded with
         one all-gather for all its parameters (``FSDPModule.unshard``) and resharded at
         once, so only one layer is ever full, and rank 0 holds at most one bucket more.
+        With LoRA each adapter is gathered alone; the base weights never move.
         """
         if bucket_bytes < 1:
             raise ConfigError(f"trainer.weight_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        sizes = [(name, numel * itemsize) for name, numel in self._policy_tensor_sizes() if self._published(name)]
+        if self._lora:
+            sizes = [(name, numel * itemsize) for name, numel in self._adapter_sizes()]
+            tensors = self._adapter_tensors()
+        else:
+            sizes = [(name, numel * itemsize) for name, numel in self._policy_tensor_sizes()]
+            tensors = self._policy_tensors(full=True)
         plan = _plan_buckets(sizes, bucket_bytes)
         gathered: dict[str, Tensor] = {}
         index = 0
-        for name, full in self._policy_tensors(full=True):
-            if self.rank == 0 and self._published(name):
+        for name, full in tensors:
+            if self.rank == 0:
                 gathered[name] = full.to("cpu", self.compute_dtype, copy=True)  # FSDP frees `full` next
             while self.rank == 0 and index < len(plan) and all(n in gathered for n in plan[index]):
                 names = plan[index]
-                tensors = [gathered.pop(n) for n in names]
-                yield WeightUpdate(version=version, bucket_index=index, num_buckets=len(plan), names=names, tensors=tensors)
+                update = [gathered.pop(n) for n in names]
+                yield WeightUpdate(version=version, bucket_index=index, num_buckets=len(plan), names=names, tensors=update)
                 index += 1
 
-    def _published(self, name: str) -> bool:
-        """Whether the generators get tensor ``name``: every one, or with LoRA the adapters."""
-        return self._lora is None or is_adapter(name)
+    def _adapter_sizes(self) -> list[tuple[str, int]]:
+        """LoRA: (name, element count) of each adapter, in ``_adapter_tensors``' order."""
+        return [(name.replace(_WRAPPED, ""), p.numel()) for name, p in self.policy.named_parameters() if is_adapter(name)]
+
+    def _adapter_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """LoRA: each adapter's full tensor, one all-gather of its shards each (a collective)."""
+        for name, param in self.policy.named_parameters():
+            if is_adapter(name):
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                yield name.replace(_WRAPPED, ""), full.detach()
 
     def _policy_tensor_sizes(self) -> list[tuple[str, int]]:
         """(HF name, element count) of every tensor the generators load, in the order

@@ -96,15 +96,12 @@ def scored_group(
     an eval group's rewards are the scores as they are, and it has no advantages."""
     items = completions.completions
     rewards = scores.rewards.to(torch.float32).clone()  # [n]
-    if is_eval(key):
-        advantage = torch.zeros_like(rewards)
-    elif algorithm.overlong_buffer:
+    if algorithm.overlong_buffer and not is_eval(key):
         lengths = torch.tensor([len(c.token_ids) for c in items])
         rewards += rl_math.overlong_penalty(
             lengths, max_new_tokens=max_new_tokens, buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty
         )
-    if not is_eval(key):
-        advantage = advantages(rewards, algorithm).to(torch.float32)
+    advantage = torch.zeros_like(rewards) if is_eval(key) else advantages(rewards, algorithm).to(torch.float32)
     return ScoredGroup(
         group_key=key,
         prompt_ids=torch.tensor(prompt.prompt_ids, dtype=torch.int32),

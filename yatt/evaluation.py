@@ -91,8 +91,9 @@ class EvalRound:
 
     def report(self) -> tuple[dict[str, float], list[ScoredGroup]]:
         """The round's metrics and its greedy groups (sampled ones without greedy), by prompt."""
-        greedy = [g for k, g in sorted(self.results.items(), key=lambda kv: kv[0].prompt_index) if k.attempt == GREEDY]
-        sampled = [g for k, g in sorted(self.results.items(), key=lambda kv: kv[0].prompt_index) if k.attempt == SAMPLED]
+        ordered = sorted(self.results.items(), key=lambda kv: kv[0].prompt_index)
+        greedy = [g for k, g in ordered if k.attempt == GREEDY]
+        sampled = [g for k, g in ordered if k.attempt == SAMPLED]
         values = eval_metrics(greedy, sampled, n=self.config.n, threshold=self.config.pass_threshold)
         return values, greedy or sampled
 

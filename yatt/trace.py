@@ -4,7 +4,8 @@ With ``run.trace: true`` every role process writes one JSON line per span to
 ``<run_dir>/trace/<role>-<index>.jsonl``::
 
     {"kind": "generate", "start": 1764690000.123, "duration": 0.181}
-    {"kind": "_cpu", "start": 1764690000.5, "cpu_s": 7.25}   (every CPU_SAMPLE_S: the process's CPU so far)
+    {"kind": "_cpu", "start": 1764690000.5, "cpu_s": 7.25}   (every CPU_SAMPLE_S, and as each step
+                                                              ends: the process's CPU so far)
     ...
     {"kind": "_process", "cpu_s": 12.3, "wall_s": 40.1}      (at exit)
 
@@ -116,11 +117,15 @@ def configure(path: Path | None) -> None:
                 _sampler.start()
 
 
+def _cpu_line() -> str:
+    return json.dumps({"kind": "_cpu", "start": round(time.time(), 6), "cpu_s": round(time.process_time(), 6)}) + "\n"
+
+
 def _sample_cpu() -> None:
     while True:
         with _lock:
             if _file is not None:
-                _file.write(json.dumps({"kind": "_cpu", "start": round(time.time(), 6), "cpu_s": round(time.process_time(), 6)}) + "\n")
+                _file.write(_cpu_line())
         time.sleep(CPU_SAMPLE_S)
 
 
@@ -132,10 +137,12 @@ def record(kind: str, start: float, duration: float) -> None:
     """Write one span that started at wall-clock ``start`` and lasted ``duration`` seconds."""
     if _file is None:
         return
-    line = json.dumps({"kind": kind, "start": round(start, 6), "duration": round(duration, 6)})
+    line = json.dumps({"kind": kind, "start": round(start, 6), "duration": round(duration, 6)}) + "\n"
+    if kind == "step":  # a CPU sample at each step's end: a window of steps is always covered,
+        line += _cpu_line()  # even when the sampler thread did not get the GIL in time
     with _lock:
         if _file is not None:
-            _file.write(line + "\n")
+            _file.write(line)
 
 
 @contextmanager

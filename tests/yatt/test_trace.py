@@ -51,6 +51,28 @@ def test_spans_cpu_samples_and_exit_record(tmp_path: Path) -> None:
     assert lines[-1]["kind"] == "_process" and lines[-1]["cpu_s"] >= cpu[-1]["cpu_s"]
 
 
+def test_each_step_end_writes_a_cpu_sample_so_a_window_of_steps_is_covered(tmp_path: Path) -> None:
+    path = tmp_path / "trace" / "trainer-0.jsonl"
+    _run(f"""
+        import time
+        from pathlib import Path
+        from yatt import trace
+        trace.CPU_SAMPLE_S = 1000.0  # the sampler thread writes once, then never again here
+        trace.configure(Path({str(path)!r}))
+        for _ in range(2):
+            with trace.span("step"):
+                end = time.time() + 0.05
+                while time.time() < end:
+                    pass
+    """)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [rec["kind"] for rec in lines]
+    assert kinds[-5:] == ["step", "_cpu", "step", "_cpu", "_process"]
+    for step, sample in ((lines[-5], lines[-4]), (lines[-3], lines[-2])):
+        assert sample["start"] >= step["start"] + step["duration"] - 1e-3
+    assert lines[-2]["cpu_s"] > lines[-4]["cpu_s"]
+
+
 def test_off_by_default_writes_nothing(tmp_path: Path) -> None:
     assert not trace.enabled()
     with trace.span("generate"):

@@ -32,13 +32,14 @@ restarting everything.
 
 Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5),
 ``checkpoint_model`` (builtin:smollm2), ``checkpoint_steps`` (5), ``fuzz_frames`` (100000),
-``soak_steps`` (2000), ``parts`` ([kills, goodput, fuzz, soak]; add ``checkpoint``).
+``soak_steps`` (2000), ``goodput_items`` ([]: overrides of the goodput runs), ``parts`` ([kills, goodput, fuzz, soak]; add ``checkpoint``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,9 @@ class Options:
     """model.path of the checkpoint-cost runs ("" for the tiny default)."""
     checkpoint_steps: int = 5
     """Steps of each checkpoint-cost run."""
+    goodput_items: list[str] = field(default_factory=list)
+    """Config overrides of the goodput runs alone, e.g. a larger batch for longer steps:
+    ``[buffer.groups_per_step=48, controller.max_new_tokens=16]``."""
     parts: list[str] = field(default_factory=lambda: ["kills", "goodput", "fuzz", "soak"])
     """Which parts to run (the suite; ``checkpoint`` too, ~7 min more, by asking for it)."""
 
@@ -331,6 +335,7 @@ def _kills(tmp: Path, opts: Options, items: list[str], result: Result, quick: bo
 def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:
     seed, f, r = load_run_config(None).run.seed, result.figures, result.ratios
     kills = [(k, *ROTATION[(k // opts.every - 1) % len(ROTATION)], signal.SIGKILL) for k in range(opts.every, opts.steps, opts.every)]
+    items = [*items, *opts.goodput_items]
     for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
         run_dir = tmp / name
         wall, _ = _run(run_dir, items, plan, restart_all)
@@ -340,10 +345,15 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
         f[f"finished_{name}"] = float(out.finished)
         f[f"groups_lost_{name}"] = float(out.lost)
         f[f"groups_duplicated_{name}"] = float(out.duplicated)
+        if out.finished:
+            f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in read_metrics(run_dir / "metrics.jsonl")[1:])
+    if kills:  # what one failure costs: wall time over the undisturbed run's, per failure
+        f["s_per_failure_role_restart"] = (f["wall_s_role_restart"] - f["wall_s_undisturbed"]) / len(kills)
+        f["s_per_failure_restart_all"] = (f["wall_s_restart_all"] - f["wall_s_undisturbed"]) / len(kills)
     r["goodput_role_restart_vs_restart_all"] = f["goodput_role_restart"] / f["goodput_restart_all"]
     r["wall_role_restart_vs_restart_all"] = f["wall_s_role_restart"] / f["wall_s_restart_all"]
     result.notes.append(
-        f"goodput: a failure every {opts.every} steps ({len(kills)} in the run) cycling through "
+        f"goodput: a failure every {opts.every} steps ({len(kills)} in the run{', ' + ' '.join(opts.goodput_items) if opts.goodput_items else ''}) cycling through "
         + ", ".join(f"{role}-{i}" for role, i in ROTATION)
         + "; restart_all kills the whole job at the same steps and resumes it with --resume"
     )

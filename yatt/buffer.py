@@ -290,10 +290,10 @@ class Buffer(Actor):
             await self._notify()
             return Ack(info={"step": str(self.core.step)})
         if msg.what == "evaluate":
-            return await self._evaluate(int(msg.args["version"]), int(msg.args.get("rollouts", "0")))
+            return await self._evaluate(_count_arg(msg, "version"), _count_arg(msg, "rollouts", "0"))
         if msg.what == "step_report":
-            step = int(msg.args["step"])
-            values, groups = step_report(self.core.step_groups.pop(step, []), rollouts=int(msg.args.get("rollouts", "0")))
+            step = _count_arg(msg, "step")
+            values, groups = step_report(self.core.step_groups.pop(step, []), rollouts=_count_arg(msg, "rollouts", "0"))
             return StepReport(step=step, values=values, groups=groups)
         raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_report, evaluate")
 
@@ -337,3 +337,17 @@ def read_mark(checkpoint: Path) -> int:
         return int(json.loads(path.read_text())["ledger_mark"])
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"checkpoint {checkpoint} has no readable buffer mark ({path}: {e}); resume from another one") from None
+
+
+def _count_arg(msg: Query, name: str, default: str | None = None) -> int:
+    """``msg.args[name]`` as a whole number >= 0 (a step, a version, a count of rollouts)."""
+    text = msg.args.get(name, default)
+    if text is None:
+        raise ProtocolError(f"Query({msg.what!r}).args.{name} is missing")
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ProtocolError(f"Query({msg.what!r}).args.{name}={text!r} must be a whole number >= 0")
+    return value

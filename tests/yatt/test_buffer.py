@@ -110,6 +110,15 @@ async def test_forged_requests_get_an_error_and_the_buffer_keeps_serving(transpo
         ]:
             with pytest.raises(RemoteError, match=f"MicroBatchRequest.{field}"):
                 await asyncio.wait_for(client.request(request, MicroBatch), 10)
+        for args, field in [
+            ({"step": "0", "rollouts": "-2"}, "rollouts='-2'"),  # would have sliced from the end
+            ({"step": "x"}, "step='x'"),
+            ({}, "step is missing"),
+        ]:
+            with pytest.raises(RemoteError, match=f"ProtocolError.*args.{field}"):
+                await asyncio.wait_for(client.request(Query(what="step_report", args=args), StepReport), 10)
+        with pytest.raises(RemoteError, match="ProtocolError.*args.version='-1'"):
+            await asyncio.wait_for(client.request(Query(what="evaluate", args={"version": "-1"}), StepReport), 10)
         plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
         assert plan.keys
 

@@ -25,8 +25,10 @@ Sizes. ``tiny`` (default): the default job of ``launch/default.yaml`` on its tin
 (built once with ``build_tiny_model(dir, seed=0)``, as the launcher builds it, and passed
 to both as ``model.path``), plus ``buffer.filter=none`` (TRL trains every group; yatt's
 default all_equal dynamic-sampling filter would drop groups with no signal and make the
-jobs differ) and ``trainer.checkpoint_every=0``: 8 prompts x 8 completions per step, 2
-micro-batches, <= 8 new tokens, lr 5e-3, 40 steps. ``smollm2`` (``--set
+jobs differ), ``trainer.checkpoint_every=0``, and neither the default job's warm start
+nor its evaluations (TRL's job has neither), so RL from the random model at lr 5e-3 and
+temperature 1: 8 prompts x 8 completions per step, 2 micro-batches, <= 8 new tokens, 40
+steps. ``smollm2`` (``--set
 sizes=[tiny,smollm2]``): SmolLM2-135M-Instruct (``export_smollm2``) on the same task,
 4 prompts x 8 completions, <= 16 new tokens, lr 1e-5, 10 steps: about 12 minutes per
 yatt or TRL run on this 2-core machine (the tiny job: about 2), so 5 runs x 2 repeats
@@ -40,7 +42,7 @@ that TRL could not follow):
     buffer.groups_per_step 8 (64 samples)     per_device_train_batch_size 32 x gradient_accumulation_steps 2
     buffer.micro_batches_per_step 2             (one generation of 64 completions, one optimizer step)
     controller.max_new_tokens 8               max_completion_length 8
-    controller.temperature 1, top_p 1, top_k off    temperature 1.0, top_p 1.0, top_k 0
+    controller.temperature, top_p 1, top_k off      temperature (the same), top_p 1.0, top_k 0
     trainer.lr, betas 0.9/0.999, wd 0         learning_rate, adam_beta1/2, weight_decay, optim adamw_torch
     schedule constant, warmup 0               lr_scheduler_type constant, warmup_steps 0
     trainer.grad_clip 1.0                     max_grad_norm 1.0
@@ -172,9 +174,14 @@ WINDOW = 3
 WARMUP_STEPS = 1
 """Steps left out of the training figures (train_s_median, train_gflops_per_s, mfu)."""
 
+_BOTH = ["run.eval_every=0", "model.warm_start_steps=0"]  # TRL's job neither evaluates nor warm-starts
 JOBS: dict[Size, list[str]] = {
-    "tiny": ["buffer.filter=none", "trainer.checkpoint_every=0", "algorithm.dual_clip=null"],
+    "tiny": [
+        "buffer.filter=none", "trainer.checkpoint_every=0", "algorithm.dual_clip=null", *_BOTH,
+        "trainer.lr=5e-3", "controller.temperature=1.0",  # from random weights, as before the warm start
+    ],
     "smollm2": [
+        *_BOTH,
         "buffer.filter=none",
         "trainer.checkpoint_every=0",
         "algorithm.dual_clip=null",

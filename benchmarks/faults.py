@@ -54,7 +54,6 @@ from benchmarks.jobs import read_metrics
 from launch.config import load_run_config
 from launch.local import latest_checkpoint
 from yatt.configtools import build
-from yatt.data import DEFAULT_GENERATED
 from yatt.errors import ConfigError
 from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
@@ -141,6 +140,15 @@ def _kill(run_dir: Path, role: str, index: int, sig: signal.Signals = signal.SIG
     if pid is not None:
         os.kill(pid, sig)
     return pid is not None
+
+
+def training_prompts(run_dir: Path) -> int:
+    """How many training prompts the run's data has (those of ``data.eval_split`` aside):
+    the length of each epoch's seeded order."""
+    from yatt.data import load_prompts
+
+    cfg = load_run_config(run_dir / "config.yaml")
+    return len(load_prompts(cfg.data, cfg.model.path or str(run_dir / "model")))
 
 
 def _audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: bool) -> Outcome:
@@ -315,7 +323,7 @@ def _kills(tmp: Path, opts: Options, items: list[str], result: Result, quick: bo
         else:
             wall, signalled = _run(run_dir, items, [(opts.at, case.role, case.index, case.sig)], False)
             landed = signalled == 1
-        out = _audit(run_dir, seed, DEFAULT_GENERATED, wall, _steps(run_dir) == opts.steps)
+        out = _audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
         table.append(
             f"{case.label} | {'yes' if landed else 'NO'} | {'yes' if out.finished else 'NO'} | {out.lost} | "
             f"{out.duplicated} | {out.steps_twice} | {wall:.0f}"
@@ -339,7 +347,7 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
         run_dir = tmp / name
         wall, _ = _run(run_dir, items, plan, restart_all)
-        out = _audit(run_dir, seed, DEFAULT_GENERATED, wall, _steps(run_dir) == opts.steps)
+        out = _audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
         f[f"wall_s_{name}"] = wall
         f[f"goodput_{name}"] = f["wall_s_undisturbed"] / wall
         f[f"finished_{name}"] = float(out.finished)

@@ -40,10 +40,10 @@ def eval_target(target: Path, items: list[str]) -> tuple[RunConfig, Path, int]:
         model = target / "final"
         if not (model / "config.json").is_file():
             raise ConfigError(f"{target} is a run dir without a final model ({model}); let the run finish, or evaluate a checkpoint's hf/ export")
-        cfg = load_run_config(config_path or target / "config.yaml", [*overrides, f"model.path={model}"])
+        cfg = load_run_config(config_path or target / "config.yaml", [*overrides, f"model.path={model}", "model.warm_start_steps=0"])
         return cfg, target / "evals" / time.strftime("%Y%m%d-%H%M%S"), cfg.run.steps
     if (target / "config.json").is_file():  # a Hugging Face model directory
-        cfg = load_run_config(config_path, [*overrides, f"model.path={target}"])
+        cfg = load_run_config(config_path, [*overrides, f"model.path={target}", "model.warm_start_steps=0"])
         return cfg, Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}", 0
     raise ConfigError(f"{target} is neither a run dir (config.yaml, final/) nor a Hugging Face model directory (config.json)")
 

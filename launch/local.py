@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launch.config import RunConfig, dump_run_config
 from launch.placement import describe, make_plan, write_plan
@@ -53,6 +54,9 @@ from yatt.errors import (
 from yatt.placement.plan import Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport, make_curve_keys
+
+if TYPE_CHECKING:
+    from yatt.data import Prompt
 
 RESTARTABLE = ("controller", "generator", "reward", "buffer")
 GRACE_S = 15.0
@@ -324,11 +328,39 @@ class LocalLauncher:
 
         prompts, _ = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
+        await asyncio.to_thread(self._warm_start, prompts)
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, checkpoint_step(self.resume))
         self.cfg = with_run_keys(self.cfg, self.run_dir)
         dump_run_config(self.cfg, self.run_dir / "config.yaml")
         self.plan = await asyncio.to_thread(self.make_plan)
+
+    def _warm_start(self, prompts: list[Prompt]) -> None:
+        """``model.warm_start_steps`` of supervised training of the tiny model on the training
+        prompts' answers, once per run dir (a resumed run finds it done)."""
+        from workers.models import WARM_START_FILE, warm_start
+
+        steps = self.cfg.model.warm_start_steps
+        if steps and self.cfg.model.path:
+            print(f"yatt: model.warm_start_steps={steps} warms the built-in tiny model only; {self.cfg.model.path} is used as it is", flush=True)
+            return
+        if not steps or (self.model_path / WARM_START_FILE).exists():
+            return
+        missing = [p.index for p in prompts if "answer" not in p.metadata]
+        if missing:
+            raise ConfigError(
+                f"model.warm_start_steps = {steps} trains on the prompts' reference answers, but prompt {missing[0]} "
+                "has no metadata 'answer'; set model.warm_start_steps=0"
+            )
+        done = warm_start(
+            self.model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts],
+            steps=steps, lr=self.cfg.model.warm_start_lr, seed=self.cfg.run.seed,
+        )
+        print(
+            f"yatt: warm start: {steps} supervised steps on the answers of {len(prompts)} training prompts "
+            f"(loss {done['loss_first']:.2f} -> {done['loss_last']:.2f}, {done['seconds']:.1f} s)",
+            flush=True,
+        )
 
     def _spawn(self, role: str, index: int, restarts: int = 0) -> Proc:
         log = self.run_dir / "logs" / f"{role}-{index}.log"

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -115,17 +118,74 @@ def build_tiny_model(
     return out
 
 
-def _save_quietly(model: PreTrainedModel, out: Path) -> None:
-    """``save_pretrained`` without its progress bar (a launcher's output stays its own lines)."""
+WARM_START_FILE = "warm_start.json"
+"""Written into the model directory by ``warm_start``: what was done (a resumed run skips it)."""
+
+
+def warm_start(
+    model_dir: Path, examples: Sequence[tuple[list[int], str]], *, steps: int, lr: float, seed: int, batch: int = 32
+) -> dict[str, float]:
+    """Supervised training of the model in ``model_dir`` on ``(prompt token ids, reference
+    answer)`` pairs, in place: ``steps`` AdamW steps on batches of ``batch`` pairs drawn with
+    ``seed``, the loss on the answer's tokens and EOS only. Returns (and writes to
+    ``WARM_START_FILE``) the first and last losses and the seconds it took.
+
+    The built-in default job's tiny model starts from random weights, from which RL needs
+    hundreds of steps to find even the answer format; a few seconds of this give it the
+    format and a little of the task, and RL takes it from there."""
+    if steps < 1 or not examples:
+        raise ValueError(f"a warm start needs steps >= 1 and examples (got {steps} steps, {len(examples)} examples)")
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with _no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    answers = tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"]
+    rows = [(list(ids), [*answer, tokenizer.eos_token_id]) for (ids, _), answer in zip(examples, answers, strict=True)]
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        picked = [rows[int(i)] for i in torch.randint(len(rows), (batch,), generator=generator)]
+        width = max(len(p) + len(a) for p, a in picked)
+        input_ids = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, width), -100, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, (prompt, answer) in enumerate(picked):
+            n = len(prompt) + len(answer)
+            input_ids[row, :n] = torch.tensor(prompt + answer)
+            labels[row, len(prompt) : n] = torch.tensor(answer)
+            mask[row, :n] = 1
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    _save_quietly(model, model_dir)
+    done = {"steps": steps, "lr": lr, "seed": seed, "examples": len(rows), "loss_first": losses[0], "loss_last": losses[-1],
+            "seconds": time.perf_counter() - started}  # fmt: skip
+    (model_dir / WARM_START_FILE).write_text(json.dumps(done) + "\n")
+    return done
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off (a launcher's output stays its own lines)."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
-        model.save_pretrained(out)
+        yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _save_quietly(model: PreTrainedModel, out: Path) -> None:
+    """``save_pretrained`` without its progress bar."""
+    with _no_progress_bars():
+        model.save_pretrained(out)
 
 
 def smollm2_gguf_path() -> Path:

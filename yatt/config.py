@@ -44,6 +44,18 @@ class ModelConfig:
     GPU and on CPUs with native bf16 (AMX or AVX512-BF16), else float32."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (lora.rank > 0) instead of full fine-tuning."""
+    warm_start_steps: int = 0
+    """Supervised steps of the built-in tiny model (path empty) on the training prompts'
+    reference answers (metadata "answer"), in the launcher before any role starts, so that RL
+    begins from a policy that knows the answer format and a little of the task (the default
+    job: 150, ~5 s). 0: RL from the random model. A model of your own (model.path) is used
+    as it is: the launcher says so and skips this."""
+    warm_start_lr: float = 3e-3
+    """AdamW learning rate of the warm start (batches of 32 prompts)."""
+
+    def __post_init__(self) -> None:
+        require(self.warm_start_steps >= 0, "warm_start_steps", f"must be >= 0, 0 for none (got {self.warm_start_steps})")
+        require(self.warm_start_lr > 0, "warm_start_lr", f"must be > 0 (got {self.warm_start_lr})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.faults import training_prompts
 from benchmarks.fuzzing import dealer, fuzz, launcher_ports, role_ports, role_processes
 from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
-from yatt.data import DEFAULT_GENERATED
 from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
 from yatt.trace import FAILPOINT_ENV
@@ -191,7 +191,7 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
             attempt, _ = final.get(e.key.prompt_index, (-1, ""))
             if e.status != "duplicate" and e.key.attempt >= attempt:
                 final[e.key.prompt_index] = (e.key.attempt, e.status)
-        order = epoch_order(DEFAULT_GENERATED, load_run_config(None).run.seed, 0)
+        order = epoch_order(training_prompts(run_dir), load_run_config(None).run.seed, 0)
         last = max(order.index(i) for i, (_, status) in final.items() if status == "trained")
         assert all(final.get(order[p], (0, "missing"))[1] in ("trained", "filtered") for p in range(last + 1))
     finally:
@@ -332,7 +332,8 @@ def test_evaluation_on_held_out_prompts_in_the_run_and_after_it(tmp_path: Path) 
     assert abs(final["eval/digits/greedy"] - rows[-1]["eval/digits/greedy"]) <= 0.1
     # A model directory with a config that holds out nothing: refused at once, in one line.
     refused = subprocess.run(
-        [sys.executable, "-m", "launch", "eval", str(run_dir / "final")], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "launch", "eval", str(run_dir / "final"), "data.eval_split=0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "data.eval_split" in refused.stderr
 

@@ -34,7 +34,12 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
 def test_cross_section_check_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.weight_sync_every = 3 lets generators lag 2 versions"):
         load_run_config(None, ["trainer.weight_sync_every=3"])
-    assert load_run_config(None, ["trainer.weight_sync_every=3", "buffer.max_staleness=2"]).trainer.weight_sync_every == 3
+    sync_every_3 = ["trainer.weight_sync_every=3", "buffer.max_staleness=2"]
+    with pytest.raises(ConfigError, match=r"run\.eval_every = 20 .* make it a multiple of 3"):  # the default job evaluates every 20
+        load_run_config(None, sync_every_3)
+    assert load_run_config(None, [*sync_every_3, "run.eval_every=6"]).trainer.weight_sync_every == 3
+    with pytest.raises(ConfigError, match=r"model\.warm_start_steps must be >= 0"):
+        load_run_config(None, ["model.warm_start_steps=-1"])
 
 
 def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -56,7 +61,7 @@ def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.Captur
         ("controller.request_timeout_s=-1", r"controller\.request_timeout_s.*must be > 0 seconds"),
         ("run.stall_timeout_s=-3", r"run\.stall_timeout_s.*must be >= 0"),
         ("run.host=0.0.0.0", r"run\.host.*must be a loopback address"),
-        ("run.eval_every=5", r"run\.eval_every.*nothing to evaluate on: set data\.eval_split"),
+        ("run.eval_every=5 data.eval_split=0", r"run\.eval_every.*nothing to evaluate on: set data\.eval_split"),
         ("eval.n=-1", r"eval\.n.*must be >= 0"),
         ("data.eval_split=-0.1", r"data\.eval_split.*must be >= 0"),
         ("run.eval_every=3 data.eval_split=10 trainer.weight_sync_every=2 buffer.max_staleness=1", r"run\.eval_every.*multiple of 2"),

@@ -111,9 +111,11 @@ the training part of a step:
   TRL counts them exactly (``train/prompt_tokens`` + ``train/completion_tokens``); yatt's
   metrics count completion tokens only, so its prompt tokens are samples x the mean
   prompt length of the job's prompt set (prompts are drawn uniformly from it).
-- ``mfu``: ``train_gflops_per_s`` over ``bf16_peak_gflops``, this machine's bfloat16
-  matmul peak measured once at the start (``launch.plan.measure_peak_flops``, 2048 x 2048,
-  every core, 1 s), whatever dtype the job computes in.
+- ``mfu``: ``train_gflops_per_s`` over ``peak_gflops``, this machine's matmul peak in the
+  dtype ``model.dtype=auto`` computes in here (bfloat16 where the CPU has it natively, AMX
+  or AVX512-BF16; float32 where it does not, since bfloat16 then runs ~500x slower than
+  float32 and is not what the jobs use), measured once at the start
+  (``launch.plan.measure_peak_flops``, 2048 x 2048, every core, 1 s).
 
 Ratios per size and layout, each the median over repeats of the ratio between the yatt
 run and the TRL run of the same repeat: ``<size>_<layout>_samples_per_s_vs_trl`` (yatt /
@@ -502,13 +504,14 @@ def _measure(size: Size, steps: int, opts: Options, scratch: Path, peak_flops: f
 
 
 def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
-    from launch.plan import measure_peak_flops
+    from launch.plan import compute_dtype, measure_peak_flops
 
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
     result = Result()
     threads = os.cpu_count() or 1
-    peak_flops = measure_peak_flops(dtype="bfloat16", threads=threads, size=2048, seconds=1.0)
-    result.figures["bf16_peak_gflops"] = peak_flops / 1e9
+    peak_dtype = compute_dtype("auto", "cpu")
+    peak_flops = measure_peak_flops(dtype=peak_dtype, threads=threads, size=2048, seconds=1.0)
+    result.figures["peak_gflops"] = peak_flops / 1e9
     with tempfile.TemporaryDirectory(prefix="yatt-e2e-") as scratch:
         for size in opts.sizes:
             steps = opts.tiny_steps if size == "tiny" else opts.smollm2_steps
@@ -526,6 +529,7 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
         "both keep float32 master weights",
         f"{opts.repeats} repeat(s), runs in the order {sequence}, reversed every other repeat, on a shared "
         "machine: drifting load affects them unequally; figures are medians over repeats",
-        f"bf16 peak: {threads} threads, 2048 x 2048 matmul, 1 s, measured once before the runs",
+        f"peak: {peak_dtype} (what model.dtype=auto computes in here), {threads} threads, 2048 x 2048 matmul, 1 s, "
+        "measured once before the runs",
     ]
     return result

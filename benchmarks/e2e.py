@@ -176,7 +176,9 @@ WINDOW = 3
 WARMUP_STEPS = 1
 """Steps left out of the training figures (train_s_median, train_gflops_per_s, mfu)."""
 
-_BOTH = ["run.eval_every=0", "model.warm_start_steps=0"]  # TRL's job neither evaluates nor warm-starts
+_BOTH = [  # TRL's job neither evaluates nor warm-starts; both compute in bf16 where the CPU has it
+    "run.eval_every=0", "model.warm_start_steps=0", "model.dtype=auto",
+]
 JOBS: dict[Size, list[str]] = {
     "tiny": [
         "buffer.filter=none", "trainer.checkpoint_every=0", "algorithm.dual_clip=null", *_BOTH,

@@ -182,7 +182,7 @@ _BOTH = [  # TRL's job neither evaluates nor warm-starts; both compute in bf16 w
 JOBS: dict[Size, list[str]] = {
     "tiny": [
         "buffer.filter=none", "trainer.checkpoint_every=0", "algorithm.dual_clip=null", *_BOTH,
-        "trainer.lr=5e-3", "controller.temperature=1.0",  # from random weights, as before the warm start
+        "trainer.lr=5e-3", "controller.temperature=1.0", "buffer.groups_per_step=8",  # the job before the warm start
     ],
     "smollm2": [
         *_BOTH,

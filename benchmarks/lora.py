@@ -7,7 +7,9 @@ of the step time, of the trainer's compute (``time/train_s``) and of the weight 
 (LoRA sends the adapters only), and the peak RSS of trainer rank 0 and of the generator
 (sampled every 0.5 s). Ratios: LoRA over full fine-tuning, from the medians of the runs.
 
-Options (``--set``): ``model`` (builtin:smollm2), ``steps`` (6), ``rank`` (16), ``repeats`` (2).
+Options (``--set``): ``model`` (builtin:smollm2), ``steps`` (6), ``rank`` (16), ``repeats`` (2),
+``backend`` (transformers; ``vllm``: the generator's vLLM engine, which with LoRA loads
+each update as a peft adapter and keeps its base weights).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Options:
     """model.lora.rank of the LoRA runs."""
     repeats: int = 2
     """Runs of each kind, interleaved."""
+    backend: str = "transformers"
+    """generator.backend of both jobs."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "rank", "repeats"):
@@ -43,6 +47,8 @@ class Options:
                 raise ConfigError(f"lora.{name} must be >= 1 (got {getattr(self, name)})")
         if self.steps < 3:
             raise ConfigError(f"lora.steps must be >= 3: the first and the last step are not measured (got {self.steps})")
+        if self.backend not in ("transformers", "vllm"):
+            raise ConfigError(f"lora.backend must be 'transformers' or 'vllm' (got {self.backend!r})")
 
 
 def _peak_rss(run_dir: Path, stop: threading.Event, peaks: dict[str, float]) -> None:
@@ -64,6 +70,7 @@ def _one(run_dir: Path, opts: Options, lora: bool) -> dict[str, float]:
         *([f"model.path={opts.model}"] if opts.model else []), f"run.steps={opts.steps}", "placement.layout=disaggregated",
         "buffer.groups_per_step=2", "buffer.group_size=2", "buffer.filter=none", "trainer.checkpoint_every=0",
         f"model.lora.rank={opts.rank if lora else 0}", f"model.lora.alpha={2 * opts.rank}",
+        f"generator.backend={opts.backend}",
     ]  # fmt: skip
     peaks: dict[str, float] = {}
     stop = threading.Event()
@@ -98,7 +105,7 @@ def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Res
     for key in ("step_s", "train_s", "weight_sync_s", "trainer0_peak_rss_mb", "generator_peak_rss_mb"):
         result.ratios[f"lora_vs_full_{key}"] = result.figures[f"lora_{key}"] / result.figures[f"full_{key}"]
     result.notes.append(
-        f"{opts.model or 'tiny'} model, {opts.steps} steps, LoRA rank {opts.rank} (alpha {2 * opts.rank}) on "
+        f"{opts.model or 'tiny'} model, {opts.backend} generator, {opts.steps} steps, LoRA rank {opts.rank} (alpha {2 * opts.rank}) on "
         f"q/k/v/o vs full fine-tuning, {opts.repeats} interleaved runs each; medians of steps 1..{opts.steps - 2}"
     )
     return result

@@ -156,9 +156,9 @@ class RunConfig:
             f"{every}); make it a multiple of {every}",
         )
         require(
-            not self.model.lora.rank or self.generator.backend == "transformers",
+            self.model.lora.rank <= 512 or self.generator.backend != "vllm",
             "model.lora.rank",
-            "> 0 needs generator.backend=transformers: sending adapters to vLLM engines is not built yet",
+            f"= {self.model.lora.rank}: vLLM serves adapters up to rank 512; lower it or use generator.backend=transformers",
         )
         mbs, runs = self.buffer.micro_batches_per_step, self.trainer.mini_batches
         require(

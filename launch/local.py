@@ -196,6 +196,25 @@ def role_threads(cfg: RunConfig, role: str, index: int = 0, plan: Plan | None = 
     return 1
 
 
+def finish_line(run_dir: Path) -> str:
+    """What a run that ended well says last: its steps, the held-out accuracy of its first and
+    last evaluation (``eval/reward/accuracy`` in eval.jsonl, if it evaluated) and its model."""
+    def lines(name: str) -> list[dict[str, float]]:
+        path = run_dir / name
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    steps = lines("metrics.jsonl")
+    said = f"done: {int(steps[-1]['step']) + 1 if steps else 0} steps trained"
+    evals = [e for e in lines("eval.jsonl") if "eval/reward/accuracy" in e]
+    if evals:
+        first, last = evals[0], evals[-1]
+        said += (
+            f"; held-out greedy accuracy (eval/reward/accuracy, eval.jsonl) {first['eval/reward/accuracy']:.2f} at step "
+            f"{int(first['step'])} -> {last['eval/reward/accuracy']:.2f} at step {int(last['step'])}"
+        )
+    return f"{said}; model in {run_dir / 'final'}"
+
+
 class LocalLauncher:
     """Starts, watches and stops one run's processes on this machine.
 
@@ -306,7 +325,10 @@ class LocalLauncher:
                             self.procs.append(self._spawn(role, index))
                     await self._wait_ready(directory, stop)
                     print(f"yatt: all roles READY; run dir {self.run_dir}", flush=True)
-                    return await self._watch(directory, stop)
+                    code = await self._watch(directory, stop)
+                    if code == 0:
+                        print(f"yatt: {finish_line(self.run_dir)}", flush=True)
+                    return code
             except (ActorFailed, ConfigError) as e:
                 print(f"yatt: {e}", file=sys.stderr, flush=True)
                 return 1

@@ -10,23 +10,33 @@ generates with the base model, as the trainer's version 0 is.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel
 
 from yatt.config import LoRAConfig
 from yatt.errors import ConfigError
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
+def peft_config(config: LoRAConfig) -> LoraConfig:
+    """peft's ``LoraConfig`` of ``config``: what the trainer wraps with and what an adapter
+    directory's ``adapter_config.json`` holds."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules), lora_dropout=0.0, bias="none"
+    )
+
 
 def with_lora(model: PreTrainedModel, config: LoRAConfig) -> Any:
     """``model`` wrapped in peft's LoRA of ``config`` (a ``PeftModelForCausalLM``)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    lora = LoraConfig(
-        r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules), lora_dropout=0.0, bias="none"
-    )
     try:
-        return get_peft_model(model, lora)
+        return get_peft_model(model, peft_config(config))
     except ValueError as e:
         raise ConfigError(f"model.lora.target_modules = {config.target_modules}: {e}") from None
 
@@ -34,3 +44,10 @@ def with_lora(model: PreTrainedModel, config: LoRAConfig) -> Any:
 def is_adapter(name: str) -> bool:
     """Whether a parameter of a wrapped model is a LoRA adapter's (what trains and is sent)."""
     return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_file_name(name: str) -> str:
+    """The name peft saves an adapter tensor under (``save_pretrained``): the adapter's
+    name (``.default``) dropped, e.g. ``...q_proj.lora_A.default.weight`` ->
+    ``...q_proj.lora_A.weight``; vLLM loads adapters by these names."""
+    return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")

@@ -65,6 +65,7 @@ from protocols.messages import (
 )
 from workers.engines.base import Engine
 from workers.generator import Generator
+from workers.lora import is_adapter
 from workers.run_log import RunLog
 from workers.trainer import Trainer
 from yatt import trace
@@ -190,7 +191,9 @@ class TrainerRank:
             if cfg.generator.backend == "vllm":
                 from workers.engines import make_engine
 
-                engine = make_engine(str(model_path), cfg.generator, device=str(trainer.device), dtype=cfg.model.dtype)
+                engine = make_engine(
+                    str(model_path), cfg.generator, device=str(trainer.device), dtype=cfg.model.dtype, lora=cfg.model.lora
+                )
             else:
                 from workers.engines.hf import HFEngine
 
@@ -221,7 +224,10 @@ class TrainerRank:
             self.trainer.gather_policy()
             if self.cfg.generator.backend == "vllm":
                 self.engine.wake_up()
-                self.engine.update_weights(self.trainer.gathered_tensors())
+                tensors = self.trainer.gathered_tensors()
+                if self.cfg.model.lora.rank:  # the engine keeps the base weights; adapters only
+                    tensors = ((name, t) for name, t in tensors if is_adapter(name))
+                self.engine.update_weights(tensors)
                 self.trainer.release_policy()
         self.switch_s += time.perf_counter() - start
 

@@ -156,6 +156,11 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
         assert "exited with code" not in log and "stopped answering" not in log, log[-3000:]
     rows = metrics(run_dir)
     assert_default_job_learned(rows, run_dir)
+    # The launcher's last line: the headline, from the first evaluation to the last.
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    first, last = evals[0]["eval/reward/accuracy"], evals[-1]["eval/reward/accuracy"]
+    headline = f"held-out greedy accuracy (eval/reward/accuracy, eval.jsonl) {first:.2f} at step 0 -> {last:.2f} at step 40"
+    assert headline in (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
     assert {"reward/digits/mean", "reward/failed_share", "response_length/mean", "response_length/clip_ratio"} <= set(rows[-1])
@@ -338,15 +343,21 @@ def test_evaluation_on_held_out_prompts_in_the_run_and_after_it(tmp_path: Path) 
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "data.eval_split" in refused.stderr
 
 
-def test_lora_adapters_go_to_generator_processes_and_colocated_engines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_lora_adapters_go_to_generator_processes_and_colocated_engines(tmp_path: Path, backend: str) -> None:
     """LoRA: adapters pushed to a generator process (disaggregated), then the run resumed
-    colocated (each rank's engine generates with its own peft-wrapped module); the export
+    colocated (transformers: each rank's engine generates with its own peft-wrapped module;
+    vLLM: each rank's engine loads the gathered adapters); every step's rollouts were
+    sampled with the trainer's adapters (their log-probs match the trainer's); the export
     holds the adapter and the merged model."""
     run_dir = tmp_path / "lora"
     lora = ("model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]", "trainer.checkpoint_every=2")
-    finish(launch(run_dir, "run.steps=4", "placement.layout=disaggregated", *lora), run_dir)
-    finish(launch(run_dir, "run.steps=6", "placement.layout=colocated", resume=run_dir), run_dir)
+    engine = f"generator.backend={backend}"
+    finish(launch(run_dir, "run.steps=4", "placement.layout=disaggregated", engine, *lora), run_dir)
+    finish(launch(run_dir, "run.steps=6", "placement.layout=colocated", engine, resume=run_dir), run_dir)
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(6))
+    # Rollouts sampled without the adapters differ from the trainer's log-probs by ~0.1-0.2.
+    assert max(r["train/logprob_diff"] for r in metrics(run_dir)) < 1e-3
     adapter = json.loads((run_dir / "final" / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
     from safetensors import safe_open

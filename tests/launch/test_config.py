@@ -40,6 +40,9 @@ def test_cross_section_check_names_the_field() -> None:
     assert load_run_config(None, [*sync_every_3, "run.eval_every=6"]).trainer.weight_sync_every == 3
     with pytest.raises(ConfigError, match=r"model\.warm_start_steps must be >= 0"):
         load_run_config(None, ["model.warm_start_steps=-1"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank = 1024: vLLM serves adapters up to rank 512"):
+        load_run_config(None, ["model.lora.rank=1024", "generator.backend=vllm"])
+    assert load_run_config(None, ["model.lora.rank=16", "generator.backend=vllm"]).model.lora.rank == 16
 
 
 def test_bad_key_stops_the_launcher_before_anything_starts(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ from protocols.messages import (
 from workers.engines import make_engine
 from workers.generator import Generator
 from yatt.actor import Client
-from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
-from yatt.errors import RemoteError
+from yatt.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
+from yatt.errors import ProtocolError, RemoteError
 from yatt.transport import Transport
 
 
@@ -188,15 +188,15 @@ the bounds keep a 5-20x margin."""
 
 
 def _one_rank_trainer(
-    tiny_model_dir: Path, tmp_path: Path, dtype: str
+    tiny_model_dir: Path, tmp_path: Path, dtype: str, lora: LoRAConfig | None = None
 ) -> tuple[torch.dtype, list[WeightUpdate], torch.Tensor]:
-    """Train one step on a 1-rank gloo group; return its compute dtype, its version-1
-    buckets and its logprobs of the fixed completion."""
+    """Train one step on a 1-rank gloo group (``lora``: its adapters only); return its
+    compute dtype, its version-1 buckets and its logprobs of the fixed completion."""
     from workers.trainer import Trainer
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     trainer = Trainer(
-        ModelConfig(dtype=dtype),  # type: ignore[arg-type]
+        ModelConfig(dtype=dtype, lora=lora or LoRAConfig()),  # type: ignore[arg-type]
         TrainerConfig(lr=1e-2, world_size=1),
         AlgorithmConfig(),
         model_path=str(tiny_model_dir),
@@ -247,6 +247,53 @@ async def test_logprobs_match_the_trainer_after_a_weight_update(
         assert diff <= BOUNDS[(dtype, backend)]
         changed = (before - trainer_logprobs.float()).abs().max().item()
         assert changed > 10 * BOUNDS[(dtype, backend)], f"the step changed the log-probs by only {changed:.2e}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+async def test_lora_adapters_reach_the_engine_and_match_the_trainer(
+    transport: Transport, tiny_model_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    """LoRA: the trainer's update carries the adapters only; the engine (vLLM: a peft adapter
+    directory loaded under a new adapter id) then samples with the trainer's log-probs. A
+    full-weight update or a NaN adapter is refused and the engine keeps its adapter."""
+    lora = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    try:
+        _, buckets, trainer_logprobs = await asyncio.to_thread(_one_rank_trainer, tiny_model_dir, tmp_path, "float32", lora)
+        sent = [(n, t) for b in buckets for n, t in zip(b.names, b.tensors, strict=True)]
+        assert sent and all(".lora_A." in n or ".lora_B." in n for n, _ in sent)
+        config = GeneratorConfig(backend=backend, vllm_enforce_eager=True, vllm_max_model_len=256)  # type: ignore[arg-type]
+        engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config, dtype="float32", lora=lora)
+        before = torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+        bound = BOUNDS[("float32", backend)]
+        async with Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen:
+            async with Client(transport, gen.endpoint) as client:
+                for bucket in buckets:
+                    await client.request(bucket, Ack)
+                reply = await client.request(request(0, min_version=1), Completions, timeout=300)
+            after = torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+            diff = (after - trainer_logprobs.float()).abs().max().item()
+            print(f"LoRA {backend}: max |trainer - engine| log-prob = {diff:.2e}")
+            assert gen.version == 1 and diff <= bound
+            assert (before - trainer_logprobs.float()).abs().max().item() > 10 * bound, "the step changed nothing"
+            assert all(c.policy_version_min == 1 for c in reply.completions)
+            for c in reply.completions:  # sampled with the adapter too (temperature 1)
+                rescored = engine.sequence_logprobs(PROMPT.tolist(), c.token_ids.tolist())
+                assert (c.logprobs - torch.tensor(rescored)).abs().max().item() <= bound
+
+            full = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+            with pytest.raises(ProtocolError, match="does not have"):
+                engine.update_weights(full.items())
+            with pytest.raises(ProtocolError, match="NaN"):
+                engine.update_weights((n, torch.full_like(t, float("nan"))) for n, t in sent)
+            kept = torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+            assert torch.equal(kept, after), "a refused update changed the adapter"
+            # Zero lora_B: the adapter adds nothing, the base model's log-probs come back.
+            engine.update_weights((n, torch.zeros_like(t) if ".lora_B." in n else t) for n, t in sent)
+            base = torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+            assert (base - before).abs().max().item() <= bound
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

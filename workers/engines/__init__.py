@@ -20,16 +20,14 @@ def make_engine(
 
     ``device`` is "cpu" or "cuda[:i]" (vLLM takes the process's visible GPU); ``dtype`` is
     ``ModelConfig.dtype`` (auto: bfloat16 on GPU and on a CPU with native bf16, else float32);
-    ``lora``: the trainer's adapters (``ModelConfig.lora``; the transformers engine only).
+    ``lora``: the trainer's adapters (``ModelConfig.lora``); updates then carry only them.
     """
     if config.backend == "transformers":
         from workers.engines.hf import HFEngine
 
         return HFEngine(model_path, config, device=device, dtype=dtype, lora=lora)
-    if lora is not None and lora.rank:
-        raise ConfigError("model.lora.rank > 0 needs generator.backend=transformers (adapters to vLLM are not built yet)")
     if config.backend == "vllm":
         from workers.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, config, device=device, dtype=dtype)
+        return VLLMEngine(model_path, config, device=device, dtype=dtype, lora=lora)
     raise ConfigError(f"generator.backend must be 'transformers' or 'vllm' (got {config.backend!r})")

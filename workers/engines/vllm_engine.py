@@ -24,6 +24,17 @@ calls ``WeightReloadExtension.yatt_reload_weights(path)`` by name on every worke
 worker memory-maps the file and reloads from it. Then the prefix cache is reset, since
 its KV blocks were computed with the old weights.
 
+LoRA (``model.lora.rank > 0``). The engine starts vLLM with ``enable_lora`` and keeps the
+base weights; an update carries the trainer's adapters only (peft names, as the
+transformers engine takes them). Each update is written as a peft adapter directory
+(``adapter_config.json`` from peft's own ``LoraConfig``, ``adapter_model.safetensors``)
+and loaded with ``add_lora`` under a new adapter id, the previous one removed, so neither
+vLLM's adapter cache nor its prefix cache (keyed by adapter) can serve the old version;
+every later request names it. Before the first update the engine generates with the base
+model, as the trainer's version 0 is (peft starts ``lora_B`` at zero). vLLM applies
+adapters only to the linear layers it knows (e.g. ``q_proj``..``down_proj``); its LoRA
+path runs without torch.compile on CPU.
+
 vLLM spawns its engine core: a script that makes a ``VLLMEngine`` needs an
 ``if __name__ == "__main__":`` guard. Start takes 15-30 s on CPU (with
 ``vllm_enforce_eager``; torch.compile adds about 40 s on a cold cache).
@@ -32,6 +43,7 @@ vLLM spawns its engine core: a script that makes a ``VLLMEngine`` needs an
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,6 +55,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 
 from workers.engines.base import (
     DType,
@@ -53,7 +66,8 @@ from workers.engines.base import (
     resolve_dtype,
     validate_requests,
 )
-from yatt.config import GeneratorConfig
+from workers.lora import adapter_file_name, is_adapter, peft_config, with_lora
+from yatt.config import GeneratorConfig, LoRAConfig
 from yatt.errors import Closed, ConfigError
 
 _DTYPE_NAMES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
@@ -61,6 +75,17 @@ _DTYPE_NAMES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
 }
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes as ``max_lora_rank`` (0.32); an adapter may have any rank up to it."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter."""
+    fits = [r for r in _VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError(f"model.lora.rank = {rank}: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}")
+    return fits[0]
 
 
 class WeightReloadExtension:
@@ -116,8 +141,11 @@ class VLLMEngine:
     """``vllm.LLM`` behind the ``Engine`` protocol."""
 
     def __init__(
-        self, model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto"
+        self, model_path: str, config: GeneratorConfig, *, device: str = "cpu", dtype: DType = "auto",
+        lora: LoRAConfig | None = None,
     ) -> None:
+        """``lora``: serve the trainer's LoRA adapters (see the module notes); weight updates
+        then carry, and must carry, the adapters only."""
         kind = torch.device(device).type
         if kind not in ("cpu", "cuda"):
             raise ConfigError(f"generator device must be 'cpu' or 'cuda' for vLLM (got {device!r})")
@@ -126,17 +154,29 @@ class VLLMEngine:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.vllm_kv_cache_gib))
         # The HF module on the meta device costs no memory and names every weight an
         # update must carry (with tied aliases), as the trainer's state_dict does.
+        hf_config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
-            meta_model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                AutoConfig.from_pretrained(model_path)
-            )
-        self._names = WeightNames(meta_model)
+            meta_model = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+        # vLLM refuses a max_model_len past the model's positions; serve the shorter, and
+        # validate_requests names both when a request is too long.
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        self._max_len = min(config.vllm_max_model_len, positions) if isinstance(positions, int) else config.vllm_max_model_len
+        self._lora = lora if lora is not None and lora.rank else None
+        if self._lora is not None:
+            self._names = WeightNames(with_lora(meta_model, self._lora), only=is_adapter)
+        else:
+            self._names = WeightNames(meta_model)
         del meta_model
+        lora_args: dict[str, Any] = {}
+        if self._lora is not None:
+            lora_args = {
+                "enable_lora": True, "max_lora_rank": vllm_max_lora_rank(self._lora.rank), "max_loras": 1, "max_cpu_loras": 2,
+            }
         self._llm: LLM | None = LLM(
             model=model_path,
             dtype=_DTYPE_NAMES[resolve_dtype(dtype, torch.device(kind))],
             seed=config.seed,
-            max_model_len=config.vllm_max_model_len,
+            max_model_len=self._max_len,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
             enforce_eager=config.vllm_enforce_eager,
             logprobs_mode="processed_logprobs",
@@ -147,10 +187,11 @@ class VLLMEngine:
             # Sleep mode (GPU only): the engine releases its KV cache and offloads its weights
             # while the trainer shares the GPU (the colocated and partial layouts).
             enable_sleep_mode=kind == "cuda",
+            **lora_args,
         )
+        self._adapter: LoRARequest | None = None  # the adapter every request names; None: base model
         self._sleep_mode = kind == "cuda"
         self._asleep = False
-        self._max_len = config.vllm_max_model_len
         shm = Path("/dev/shm")
         self._update_dir = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -165,7 +206,7 @@ class VLLMEngine:
         validate_requests(requests, self._max_len)
         prompts = [TokensPrompt(prompt_token_ids=list(req.prompt_ids)) for req in requests]
         params = [_to_vllm_params(req) for req in requests]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter)
         results: list[list[Sample]] = []
         for req, out in zip(requests, outputs, strict=True):
             samples = []
@@ -196,6 +237,9 @@ class VLLMEngine:
         """
         llm = self._live()
         tensors = collect_update(named_tensors, self._names)
+        if self._lora is not None:
+            self._load_adapter(llm, tensors)
+            return
         fd, path = tempfile.mkstemp(prefix="yatt-weights-", suffix=".safetensors", dir=self._update_dir)
         os.close(fd)
         try:
@@ -206,6 +250,25 @@ class VLLMEngine:
             os.unlink(path)
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def _load_adapter(self, llm: LLM, tensors: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (checked adapters) as a peft adapter directory, load it under the
+        next adapter id and drop the previous adapter."""
+        directory = tempfile.mkdtemp(prefix="yatt-adapter-", dir=self._update_dir)
+        try:
+            assert self._lora is not None
+            peft_config(self._lora).save_pretrained(directory)
+            save_file({adapter_file_name(n): t for n, t in tensors.items()}, os.path.join(directory, "adapter_model.safetensors"))
+            del tensors
+            version = 1 if self._adapter is None else self._adapter.lora_int_id + 1
+            adapter = LoRARequest(lora_name=f"yatt-policy-{version}", lora_int_id=version, lora_path=directory)
+            if not llm.llm_engine.add_lora(adapter):
+                raise RuntimeError(f"vLLM did not load the adapter update from {directory}")
+            if self._adapter is not None:  # room for two (max_cpu_loras): a failed load keeps the old
+                llm.llm_engine.remove_lora(self._adapter.lora_int_id)
+            self._adapter = adapter
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def sleep(self) -> None:
         """Release the KV cache and offload the weights to host memory (vLLM sleep level 1),
@@ -229,7 +292,7 @@ class VLLMEngine:
             return []
         ids = list(prompt_ids) + list(completion_ids)
         params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False, lora_request=self._adapter)[0]
         assert out.prompt_logprobs is not None, "prompt_logprobs=0 asks vLLM for them"
         # prompt_logprobs[t] is a dict holding at least ids[t]; entry 0 is None (no context).
         return [out.prompt_logprobs[t][ids[t]].logprob for t in range(len(prompt_ids), len(ids))]  # type: ignore[index]

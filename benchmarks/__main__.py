@@ -23,6 +23,7 @@ BENCHMARKS = {
     "faults": "benchmarks.faults",
     "generation": "benchmarks.generation",
     "lora": "benchmarks.lora",
+    "placement": "benchmarks.placement",
     "stages": "benchmarks.stages",
     "staleness": "benchmarks.staleness",
     "transport": "benchmarks.transport",

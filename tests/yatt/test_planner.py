@@ -30,7 +30,7 @@ COSTS = StageCosts(
     gen_token_s=0.01, gen_latency_s=0.02, completion_mean=10, completion_p90=15, acceptance=0.5,
     train_token_s=0.001, train_fixed_s=0.1, weight_sync_s=0.3, switch_s=0.2, gen_scaling=1.0, train_scaling=1.0,
 )  # fmt: skip
-WORK = Workload(groups_per_step=2, group_size=4, max_new_tokens=16, prompt_tokens=10)
+WORK = Workload(groups_per_step=2, group_size=4, max_new_tokens=16, prompt_tokens=10, max_batch_sequences=8)
 ROLES = Roles(trainers=2, generators=1, rewards=1, controllers=1)
 
 LLAMA3_8B = {
@@ -154,11 +154,12 @@ def test_kv_cache_and_activations_take_turns_only_when_the_phases_do() -> None:
     roles = Roles(trainers=1, generators=1, rewards=1, controllers=1)
     # per engine: 16 sequences in flight x (10 + 16) tokens x 100 = 41600; the rank's micro-batch:
     # 8 x (10 + 16) tokens x 300 = 62400
-    colocated = predict(assign("colocated", gpus(1), roles), gpus(1), sizes, COSTS, WORK)
+    work = replace(WORK, max_batch_sequences=256)
+    colocated = predict(assign("colocated", gpus(1), roles), gpus(1), sizes, COSTS, work)
     assert colocated.memory_bytes == {0: 8000 + 2000 + 62400}
-    split = predict(assign("disaggregated", cluster, roles), cluster, sizes, COSTS, WORK)
+    split = predict(assign("disaggregated", cluster, roles), cluster, sizes, COSTS, work)
     assert split.memory_bytes == {0: 2000 + 41600, 1: 8000 + 62400}
-    vllm = replace(WORK, engine_reserve_share=0.5)  # takes half of its 80 GiB slot, trainer ranks take none
+    vllm = replace(work, engine_reserve_share=0.5)  # takes half of its 80 GiB slot, trainer ranks take none
     reserved = predict(assign("disaggregated", cluster, roles), cluster, sizes, COSTS, vllm)
     assert reserved.memory_bytes == {0: 40 * GIB, 1: 8000 + 62400}
 
@@ -193,7 +194,7 @@ def test_estimate_from_flops() -> None:
                    sync_bytes_per_s=1e3, sync_fixed_s=0.25, copy_bytes_per_s=1e4, wake_s=0.5, rule_reward_s=0.001)
     sizes = ModelSizes(policy_params=1000, reference_params=500, weight_bytes=2, train_bytes=8)
     c = estimate_costs(sizes=sizes, workload=WORK, kind="cpu", peak_flops=1e6, acceptance=0.5, efficiency=e)
-    assert c.gen_token_s == pytest.approx(2000 / 5e5 + 0.01 / 16)  # 16 sequences decode at once
+    assert c.gen_token_s == pytest.approx(2000 / 5e5 + 0.01 / 8)  # a full batch (max_batch_sequences 8) at once
     assert c.gen_latency_s == pytest.approx(2000 / 1e5 + 0.01)
     assert c.train_token_s == pytest.approx((6000 + 1000) / 2.5e5)
     assert c.completion_mean == pytest.approx(9.6) and c.completion_p90 == 16.0

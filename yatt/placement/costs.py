@@ -169,8 +169,7 @@ def estimate_costs(
     if peak_flops <= 0:
         raise ConfigError(f"peak_flops must be > 0 to estimate costs (got {peak_flops}); measure it first")
     e = efficiency or EFFICIENCY[kind]
-    samples = workload.groups_per_step * workload.group_size / acceptance
-    batch = max(1.0, min(samples, float(workload.max_batch_sequences)))
+    batch = float(max(1, workload.max_batch_sequences))
     mean, p90 = 0.6 * workload.max_new_tokens, float(workload.max_new_tokens)
     gen_flops = 2.0 * sizes.policy_params
     train_flops = 6.0 * (sizes.policy_params + sizes.critic_params) + 2.0 * sizes.reference_params

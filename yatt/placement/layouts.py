@@ -19,6 +19,7 @@ pinned and get one thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 from yatt.placement.plan import Assignment, ClusterSpec, Layout, Plan, Slot
 
@@ -72,7 +73,7 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 
 
 def _cores(cluster: ClusterSpec, slots: list[int]) -> tuple[int, ...]:
-    return tuple(c for s in slots for c in cluster.slots[s].cores)
+    return tuple(chain.from_iterable(cluster.slots[s].cores for s in slots))
 
 
 def _movers(roles: Roles, *, with_rewards: bool) -> list[Assignment]:
@@ -94,8 +95,9 @@ def _trainers(cluster: ClusterSpec, slots: list[int], roles: Roles, *, shared: b
         slots = slots[:n]
     if n <= len(slots):
         for r, run in enumerate(_split(slots, n)):
-            out.append(Assignment(role="trainer", index=r, slots=tuple(run), cores=_cores(cluster, run),
-                                  threads=max(1, len(_cores(cluster, run))), shared=shared, hosts_generator=hosts))
+            cores = _cores(cluster, run)
+            out.append(Assignment(role="trainer", index=r, slots=tuple(run), cores=cores,
+                                  threads=max(1, len(cores)), shared=shared, hosts_generator=hosts))
     else:
         for r in range(n):
             s = slots[r * len(slots) // n]

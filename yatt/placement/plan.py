@@ -9,6 +9,7 @@ dir as JSON and printed at start, so a later plan (run-time re-planning) can rep
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 Layout = Literal["colocated", "partial", "disaggregated"]
@@ -72,7 +73,15 @@ class Plan:
 
     def of(self, role: str) -> list[Assignment]:
         """The assignments of one role, by index."""
-        return sorted((a for a in self.assignments if a.role == role), key=lambda a: a.index)
+        return list(self._by_role.get(role, ()))
+
+    @cached_property
+    def _by_role(self) -> dict[str, tuple[Assignment, ...]]:
+        """Assignments grouped by role, by index (the planner asks for them thousands of times at 1024 slots)."""
+        out: dict[str, list[Assignment]] = {}
+        for a in self.assignments:
+            out.setdefault(a.role, []).append(a)
+        return {role: tuple(sorted(group, key=lambda a: a.index)) for role, group in out.items()}
 
     def counts(self) -> dict[str, int]:
         """Processes per role, in start order (generators hosted by trainer ranks are not processes)."""

@@ -14,7 +14,11 @@ generators, the reward engines and the trainer ranks)::
     N_gen  = S * L_mean                                      tokens generated
     N_train = groups_per_step * group_size * (P + L_mean)    tokens trained (P: prompt)
     k(n, e) = 1 + (n - 1) * e                                speedup of n slots, scaling efficiency e
-    G      = N_gen * gen_token_s / k(n_g, gen_scaling)       generation at full batch
+    b      = min(max_batch_sequences, S * q / n_g)           sequences a generating slot decodes at once
+                                                              (q = 2 when it runs a step ahead, else 1)
+    c(b)   = (gen_latency_s - p) / b + p                     slot-seconds per token at b (p: the part per
+                                                              sequence, from gen_token_s at a full batch)
+    G      = N_gen * c(b) / k(n_g, gen_scaling)              generation while the batch is full
     tail   = (L_p90 - L_mean) * gen_latency_s                the longest samples decode alone
     W      = S * reward_s / k(n_r, gen_scaling)              reward engines (model or judge)
            = S * reward_s / reward processes                 rule scorers (unpinned, overlap G)
@@ -88,7 +92,8 @@ class StageCosts:
     """Measured or estimated cost of each stage, normalised to one slot."""
 
     gen_token_s: float
-    """Slot-seconds per generated token when one slot decodes a full batch (1 / its tokens/s)."""
+    """Slot-seconds per generated token when one slot decodes a full batch of ``max_batch_sequences``
+    (1 / its tokens/s); fewer sequences in flight cost more per token (``gen_token_cost``)."""
     gen_latency_s: float
     """Seconds per decoding step of one sequence: the pace of the tail once the batch thins out."""
     completion_mean: float
@@ -175,12 +180,50 @@ def speedup(slots: int, scaling: float) -> float:
     return 1.0 + (slots - 1) * scaling if slots >= 1 else 0.0
 
 
-def stage_times(costs: StageCosts, workload: Workload, *, gen_slots: int, train_slots: int) -> tuple[float, float, float]:
+def gen_token_cost(costs: StageCosts, workload: Workload, in_flight: float) -> float:
+    """Slot-seconds per generated token when a slot decodes ``in_flight`` sequences at once: a
+    decoding step costs a fixed part (the weights read once) plus a part per sequence, so a
+    thin batch pays the fixed part over fewer tokens. ``gen_latency_s`` is the step of one
+    sequence, ``gen_token_s`` x ``max_batch_sequences`` the step of a full batch."""
+    full = workload.max_batch_sequences
+    if full <= 1:
+        return costs.gen_token_s
+    batch = min(float(full), max(1.0, in_flight))
+    per_seq = max(0.0, (costs.gen_token_s * full - costs.gen_latency_s) / (full - 1))
+    return max(0.0, costs.gen_latency_s - per_seq) / batch + per_seq
+
+
+def with_gen_cost(costs: StageCosts, workload: Workload, in_flight: float, measured: float) -> StageCosts:
+    """``costs`` with ``gen_token_s`` set so that ``gen_token_cost`` at ``in_flight`` is ``measured``
+    (``gen_latency_s`` kept); both scaled together when no ``gen_token_s`` can (a batch of one,
+    or generation faster than the latency allows)."""
+    full = workload.max_batch_sequences
+    batch = min(float(full), max(1.0, in_flight))
+    if batch > 1.0 and full > 1:
+        per_seq = (measured - costs.gen_latency_s / batch) / (1.0 - 1.0 / batch)
+        if per_seq >= 0.0 and costs.gen_latency_s >= per_seq:
+            return replace(costs, gen_token_s=(costs.gen_latency_s + per_seq * (full - 1)) / full)
+    now = gen_token_cost(costs, workload, in_flight)
+    f = measured / now if now > 0 else 1.0
+    return replace(costs, gen_token_s=costs.gen_token_s * f, gen_latency_s=costs.gen_latency_s * f)
+
+
+def in_flight(costs: StageCosts, workload: Workload, gen_slots: int, steps: int = 1) -> float:
+    """Sequences each generating slot holds at the start of a step (``steps`` > 1: the next
+    step's requests queued too, as asynchronous generation keeps them)."""
+    samples = workload.groups_per_step * workload.group_size / costs.acceptance
+    return samples * steps / max(1, gen_slots)
+
+
+def stage_times(
+    costs: StageCosts, workload: Workload, *, gen_slots: int, train_slots: int, queued_steps: int = 1
+) -> tuple[float, float, float]:
     """Seconds per step of generation at full batch (G), of its tail, and of training (T) on
-    the given slot counts."""
+    the given slot counts; ``queued_steps`` 2 when generation runs a step ahead."""
     accepted = workload.groups_per_step * workload.group_size
     tokens = accepted / costs.acceptance * costs.completion_mean
-    gen = tokens * costs.gen_token_s / speedup(gen_slots, costs.gen_scaling)
+    per_token = gen_token_cost(costs, workload, in_flight(costs, workload, gen_slots, queued_steps))
+    gen = tokens * per_token / speedup(gen_slots, costs.gen_scaling)
     tail = max(0.0, costs.completion_p90 - costs.completion_mean) * costs.gen_latency_s
     train_tokens = accepted * (workload.prompt_tokens + costs.completion_mean)
     train = costs.train_fixed_s + train_tokens * costs.train_token_s / speedup(train_slots, costs.train_scaling)
@@ -207,7 +250,9 @@ def predict(plan: Plan, cluster: ClusterSpec, sizes: ModelSizes, costs: StageCos
     reward_slots = _slots_of(engines)
 
     samples = workload.groups_per_step * workload.group_size / costs.acceptance
-    gen, tail, train = stage_times(costs, workload, gen_slots=len(gen_slots), train_slots=len(train_slots))
+    ahead = 2 if plan.layout == "disaggregated" and workload.max_staleness >= 1 else 1
+    gen, tail, train = stage_times(costs, workload, gen_slots=len(gen_slots), train_slots=len(train_slots),
+                                   queued_steps=ahead)
     engine_reward = samples * costs.reward_s / speedup(len(reward_slots), costs.gen_scaling) if engines else 0.0
     rule_reward = samples * costs.reward_s / rule_workers if rule_workers else 0.0
     sync = switch = 0.0
@@ -318,7 +363,7 @@ def _refusal(
             f"but has {cluster.slots[worst].memory_bytes / GIB:.2f} GiB")
 
 
-def _ladder(most: int) -> list[int]:
+def ladder(most: int) -> list[int]:
     """1, 2, 3, 4, 6, 8, 12, 16, ... up to ``most``, and ``most``: the splits worth trying."""
     out: set[int] = set()
     p = 1
@@ -328,7 +373,7 @@ def _ladder(most: int) -> list[int]:
     return sorted(out | ({most} if most >= 1 else set()))
 
 
-def _role_options(layout: Layout, cluster: ClusterSpec, roles: Roles, search: bool) -> list[Roles]:
+def role_options(layout: Layout, cluster: ClusterSpec, roles: Roles, search: bool) -> list[Roles]:
     """The role counts to try for ``layout``: ``roles`` as given, or (``search``) every split of
     the slots between generators and trainer ranks on the ladder."""
     if not search:
@@ -339,9 +384,9 @@ def _role_options(layout: Layout, cluster: ClusterSpec, roles: Roles, search: bo
     reward_slots = roles.rewards if roles.reward_engines else 0
     room = (n - reward_slots) // roles.tensor_parallel
     if layout == "partial":
-        return [replace(roles, trainers=n, generators=g) for g in _ladder(room)]
+        return [replace(roles, trainers=n, generators=g) for g in ladder(room)]
     return [replace(roles, generators=g, trainers=n - reward_slots - g * roles.tensor_parallel)
-            for g in _ladder(room - 1)] or [roles]
+            for g in ladder(room - 1)] or [roles]
 
 
 def candidates(
@@ -359,7 +404,7 @@ def candidates(
     for layout in LAYOUTS:
         chosen: Candidate | None = None
         refusals = []
-        for option in _role_options(layout, cluster, roles, search):
+        for option in role_options(layout, cluster, roles, search):
             try:
                 plan = assign(layout, cluster, option)
             except LayoutError as e:

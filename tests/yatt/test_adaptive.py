@@ -1,0 +1,151 @@
+"""Run-time re-planning as a pure function: measured times back to costs, the occupancy of
+a generating slot, the moves and what they cost, and the decision rule (margin, payback,
+hysteresis) fed by hand-made step times."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from yatt.placement.adaptive import (
+    Replanner,
+    StepTimes,
+    SwitchCosts,
+    change_cost,
+    costs_from_times,
+    pools,
+    roles_of,
+    slot_moves,
+)
+from yatt.placement.layouts import Roles, assign, gpu_cluster
+from yatt.placement.plan import ClusterSpec
+from yatt.placement.planner import (
+    GIB,
+    ModelSizes,
+    StageCosts,
+    Workload,
+    gen_token_cost,
+    predict,
+    with_gen_cost,
+)
+
+SIZES = ModelSizes(policy_params=1_000_000, weight_bytes=2, train_bytes=16)
+WORK = Workload(groups_per_step=8, group_size=8, max_staleness=1, max_new_tokens=512, prompt_tokens=64,
+                max_batch_sequences=16)  # fmt: skip
+COSTS = StageCosts(
+    gen_token_s=0.001, gen_latency_s=0.004, completion_mean=100, completion_p90=200, acceptance=1.0,
+    train_token_s=0.0005, train_fixed_s=0.5, weight_sync_s=0.5, switch_s=1.0, gen_scaling=1.0, train_scaling=1.0,
+)  # fmt: skip
+SWITCH = SwitchCosts(to_rollout_s=2.0, to_train_s=1.0, reshard_s=4.0)
+
+
+def gpus(n: int) -> ClusterSpec:
+    return gpu_cluster([int(80 * GIB)] * n, list(range(2 * n)), peak_flops=1e15)
+
+
+def split(generators: int, trainers: int, rewards: int = 1, engines: bool = False) -> Roles:
+    return Roles(trainers=trainers, generators=generators, rewards=rewards, controllers=1, reward_engines=engines)
+
+
+def times(gen: float, train: float, *, reward: float = 0.0, tail: float = 0.4) -> StepTimes:
+    return StepTimes(generate_s=gen, tail_s=tail, reward_s=reward, train_s=train, weight_sync_s=0.5,
+                     completion_mean=100, completion_p90=200, acceptance=1.0)
+
+
+def test_a_thin_batch_costs_more_per_token_and_the_inverse_recovers_it() -> None:
+    assert gen_token_cost(COSTS, WORK, 16) == pytest.approx(0.001)  # a full batch
+    assert gen_token_cost(COSTS, WORK, 1000) == pytest.approx(0.001)  # more than fit: still a full batch
+    assert gen_token_cost(COSTS, WORK, 1) == pytest.approx(0.004)  # one sequence alone
+    # step of b sequences = 0.004 + (b - 1) * p, p = (0.016 - 0.004) / 15 = 0.0008: at b = 4, 0.0064 / 4
+    assert gen_token_cost(COSTS, WORK, 4) == pytest.approx(0.0064 / 4)
+    fitted = with_gen_cost(COSTS, WORK, 4, 0.002)
+    assert fitted.gen_latency_s == COSTS.gen_latency_s
+    assert gen_token_cost(fitted, WORK, 4) == pytest.approx(0.002)
+    faster = with_gen_cost(COSTS, WORK, 4, 0.0005)  # below what the latency allows: both scale
+    assert gen_token_cost(faster, WORK, 4) == pytest.approx(0.0005) and faster.gen_latency_s < COSTS.gen_latency_s
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "partial", "colocated"])
+def test_costs_from_times_predict_the_measured_step(layout: str) -> None:
+    cluster = gpus(8)
+    plan = assign(layout, cluster, split(3, 8 if layout != "disaggregated" else 5))
+    measured = replace(times(2.0, 3.0), switch_s=1.5 if layout != "disaggregated" else 0.0,
+                       weight_sync_s=0.7 if layout != "colocated" else 0.0)
+    costs = costs_from_times(measured, COSTS, WORK, plan)
+    stages = predict(plan, cluster, SIZES, costs, WORK).stages
+    assert stages["train"] == pytest.approx(3.0)
+    assert stages["tail"] == pytest.approx(0.4)
+    assert stages["generate"] == pytest.approx(2.0)
+    if layout != "colocated":
+        assert stages["weight_sync"] == pytest.approx(0.7)
+    if layout != "disaggregated":
+        assert stages["switch"] == pytest.approx(1.5)
+    else:  # not measured by a plan that never switches: the estimate stays
+        assert costs.switch_s == COSTS.switch_s
+
+
+def test_slot_moves_keep_every_slot_in_a_pool() -> None:
+    roles = split(4, 8, rewards=2, engines=True)
+    moves = slot_moves("disaggregated", roles)
+    assert {what for _, what in moves} >= {"1 slots generate -> train", "2 slots train -> generate",
+                                          "1 slots reward -> train", "1 slots generate -> reward"}
+    for option, _ in moves:
+        assert option.generators + option.rewards + option.trainers == 14
+    for option, _ in slot_moves("partial", roles):
+        assert option.trainers == 8 and option != roles
+    assert slot_moves("colocated", roles) == []
+    tp = replace(roles, tensor_parallel=2)
+    assert all(o.generators * 2 + o.rewards + o.trainers == 18 for o, _ in slot_moves("disaggregated", tp))
+
+
+def test_a_change_pays_for_the_engines_it_starts_and_stops_and_a_reshard() -> None:
+    cluster = gpus(8)
+    base = assign("disaggregated", cluster, split(2, 5, rewards=1, engines=True))
+    to_judge = assign("disaggregated", cluster, split(1, 5, rewards=2, engines=True))
+    to_train = assign("disaggregated", cluster, split(1, 6, rewards=1, engines=True))
+    assert change_cost(base, base, SWITCH) == 0.0
+    # slot 1 stops its generator and starts a judge; the trainer keeps its slots
+    assert change_cost(base, to_judge, SWITCH) == pytest.approx(2.0 + 1.0)
+    # a generator stops, the trainer group grows
+    assert change_cost(base, to_train, SWITCH) == pytest.approx(1.0 + 4.0)
+    colocated = assign("colocated", cluster, split(8, 8))
+    assert change_cost(base, colocated, SWITCH) == pytest.approx(2.0 + 1.0 + 4.0)
+
+
+def replanner(plan_roles: Roles, **kw: object) -> Replanner:
+    cluster = gpus(8)
+    plan = assign("disaggregated", cluster, plan_roles)
+    return Replanner(plan, cluster=cluster, sizes=SIZES, costs=COSTS, workload=WORK, switch=SWITCH,
+                     layouts=("disaggregated",), smoothing=1.0, **kw)  # type: ignore[arg-type]
+
+
+def test_one_slow_step_is_noise_a_lasting_shift_moves_slots_after_patience_steps() -> None:
+    r = replanner(split(4, 4), patience=3)
+    balanced = times(2.0, 1.5)
+    assert not r.observe(0, balanced).changed
+    d = r.observe(1, times(6.0, 1.5))  # generation slow once
+    assert d.best is not None and "train -> generate" in d.best.what and d.streak == 1 and not d.changed
+    assert not r.observe(2, balanced).changed and r.streak == 0
+    for k in (3, 4):
+        assert not r.observe(k, times(6.0, 1.5)).changed
+    d = r.observe(5, times(6.0, 1.5))
+    assert d.changed and d.reason.startswith("change: ") and "train -> generate" in d.reason
+    assert pools(r.plan)["generate"] > 4 and pools(r.plan)["generate"] + pools(r.plan)["train"] == 8
+    assert d.metrics()["placement/changed"] == 1.0 and d.metrics()["placement/predicted_gain_s"] > 0
+    assert r.streak == 0 and roles_of(r.plan).generators > 4
+
+
+def test_a_change_that_cannot_pay_back_its_switch_is_not_made() -> None:
+    costly = replanner(split(4, 4), patience=1, horizon_steps=20)
+    costly.switch = SwitchCosts(to_rollout_s=1000.0, to_train_s=0.0, reshard_s=0.0)
+    assert not costly.observe(0, times(6.0, 1.5)).changed
+    near_end = replanner(split(4, 4), patience=1)
+    assert not near_end.observe(0, times(6.0, 1.5), steps_left=1).changed  # 1 step left to pay 6 s of switch
+    assert replanner(split(4, 4), patience=1).observe(0, times(6.0, 1.5), steps_left=20).changed
+
+
+def test_within_the_margin_the_plan_stays() -> None:
+    r = replanner(split(4, 4), patience=1, margin=0.5)
+    d = r.observe(0, times(3.0, 1.5))
+    assert not d.changed and d.best is None and d.reason.startswith("keep disaggregated")

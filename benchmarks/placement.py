@@ -172,7 +172,8 @@ class Options:
     calibration_steps: int = 40
 
     def __post_init__(self) -> None:
-        require(all(s >= 8 for s in self.sizes + self.scaling_sizes), "sizes", "must all be >= 8 GPUs")
+        require(all(s >= 8 for s in self.sizes), "sizes", f"must all be >= 8 GPUs (got {self.sizes})")
+        require(all(s >= 8 for s in self.scaling_sizes), "scaling_sizes", f"must all be >= 8 GPUs (got {self.scaling_sizes})")
         unknown = [w for w in self.workloads if w not in WORKLOADS]
         require(not unknown, "workloads", f"unknown {unknown}; known: {sorted(WORKLOADS)}")
         require(self.steps >= 6, "steps", f"must be >= 6 (got {self.steps})")

@@ -16,6 +16,7 @@ from benchmarks.placement import (
     _engine,
     _sync_pool,
     decode_step_s,
+    run,
     run_workload,
 )
 
@@ -42,3 +43,13 @@ def test_a_judge_that_turns_slow_moves_slots_to_it_and_adaptive_beats_its_start(
     assert adaptive.changes and any("-> reward" in c for c in adaptive.changes)
     assert adaptive.plans[0] == runs["disaggregated"].plans[0]  # the planner's step-0 pick
     assert adaptive.wall_s < runs["disaggregated"].wall_s
+
+
+def test_the_quick_form_reports_every_policy_of_every_workload() -> None:
+    result = run(quick=True)
+    for workload in WORKLOADS:
+        for policy in ("colocated", "partial", "disaggregated", "hindsight", "oracle", "adaptive"):
+            assert result.figures[f"{workload}_16gpu_{policy}_step_s"] > 0
+        assert result.ratios[f"{workload}_16gpu_adaptive_vs_best_static"] > 0
+        assert f"idle_{workload}_16" in result.plots
+    assert not any(k.startswith("calibration") for k in result.figures)  # real runs only in the full form

@@ -85,6 +85,8 @@ def test_generation_quick_measures_every_column(tmp_path: Path) -> None:
         (["controllers", "--set", "window_s=0"], "window_s must be > 0 (got 0.0)"),
         (["controllers", "--set", "in_flght=4"], "did you mean in_flight?"),
         (["controllers", "--set", "generators=0"], "generators must be >= 1 (got 0)"),
+        (["placement", "--set", "workloads=[judges]"], "workloads unknown ['judges']"),
+        (["placement", "--set", "sizes=[4]"], "sizes must all be >= 8 GPUs (got [4])"),
     ],
 )
 def test_bad_options_are_refused_with_the_field_named(

@@ -15,7 +15,7 @@ from yatt.placement.adaptive import (
     change_cost,
     costs_from_times,
     pools,
-    roles_of,
+    roles_of_plan,
     slot_moves,
 )
 from yatt.placement.layouts import Roles, assign, gpu_cluster
@@ -133,7 +133,7 @@ def test_one_slow_step_is_noise_a_lasting_shift_moves_slots_after_patience_steps
     assert d.changed and d.reason.startswith("change: ") and "train -> generate" in d.reason
     assert pools(r.plan)["generate"] > 4 and pools(r.plan)["generate"] + pools(r.plan)["train"] == 8
     assert d.metrics()["placement/changed"] == 1.0 and d.metrics()["placement/predicted_gain_s"] > 0
-    assert r.streak == 0 and roles_of(r.plan).generators > 4
+    assert r.streak == 0 and roles_of_plan(r.plan).generators > 4
 
 
 def test_a_change_that_cannot_pay_back_its_switch_is_not_made() -> None:

@@ -16,13 +16,14 @@ margin for several steps in a row, net of what the change costs::
                      for   patience steps in a row          (hysteresis: one slow step is noise)
 
 Neighbours of a plan: ``m`` slots moved between generators, reward engines and trainer
-ranks (m = 1, 2, 4, ... up to a quarter of the donor's slots: one slot at a time would take
+ranks (m = 1, 2, 4, ... up to half of the smaller pool: one slot at a time would take
 hundreds of changes, each paying a switch, to follow a drift at 1024 GPUs), and the best
 split of each other layout. A change's cost (``SwitchCosts``) is paid once at the
 boundary: slots that start serving (engine start and weight load), slots that stop
 (sleep, in-flight requests finished or re-issued), and a trainer world-size change
-(checkpoint and resharded restore). Pure: the same code runs in the cluster simulator
-(``benchmarks/placement.py``) and in a run.
+(checkpoint and resharded restore), whichever slots move (the others stay in place).
+Pure: the cluster simulator (``benchmarks/placement.py``) runs it in its loop; a run does
+not call it yet (its plan is fixed at start).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class StepTimes:
     """Share of generated groups dynamic sampling kept this step."""
 
 
-def roles_of(plan: Plan) -> Roles:
+def roles_of_plan(plan: Plan) -> Roles:
     """The role counts a plan was assigned from."""
     trainers = plan.of("trainer")
     gens = plan.of("generator")
@@ -276,7 +277,7 @@ class Replanner:
 
     def neighbours(self) -> list[Move]:
         """Every plan one move away: slots between pools (same layout), or another layout's best split."""
-        roles = roles_of(self.plan)
+        roles = roles_of_plan(self.plan)
         layout = self.plan.layout
         options = [(layout, option, what) for option, what in slot_moves(layout, roles)]
         for other in self.layouts:

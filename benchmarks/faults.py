@@ -151,7 +151,7 @@ def training_prompts(run_dir: Path) -> int:
     return len(load_prompts(cfg.data, cfg.model.path or str(run_dir / "model")))
 
 
-def _audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: bool) -> Outcome:
+def audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: bool) -> Outcome:
     """What the ledger and the metrics say of a run that ended."""
     metrics = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     ledger = Ledger(run_dir / "ledger.db")
@@ -323,7 +323,7 @@ def _kills(tmp: Path, opts: Options, items: list[str], result: Result, quick: bo
         else:
             wall, signalled = _run(run_dir, items, [(opts.at, case.role, case.index, case.sig)], False)
             landed = signalled == 1
-        out = _audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
+        out = audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
         table.append(
             f"{case.label} | {'yes' if landed else 'NO'} | {'yes' if out.finished else 'NO'} | {out.lost} | "
             f"{out.duplicated} | {out.steps_twice} | {wall:.0f}"
@@ -347,7 +347,7 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
         run_dir = tmp / name
         wall, _ = _run(run_dir, items, plan, restart_all)
-        out = _audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
+        out = audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
         f[f"wall_s_{name}"] = wall
         f[f"goodput_{name}"] = f["wall_s_undisturbed"] / wall
         f[f"finished_{name}"] = float(out.finished)

@@ -29,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,13 +166,17 @@ def _stop_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def run_monitored(cmd: Sequence[str], log: Path, *, timeout_s: float, what: str) -> Monitored:
-    """Run ``cmd`` (cwd: the repo root, stdout and stderr into ``log``) to its end while
-    sampling its tree's memory; raise with the log's tail if it fails or runs too long."""
+def run_monitored(
+    cmd: Sequence[str], log: Path, *, timeout_s: float, what: str, env: Mapping[str, str] | None = None
+) -> Monitored:
+    """Run ``cmd`` (cwd: the repo root, stdout and stderr into ``log``, ``env`` added to the
+    environment) to its end while sampling its tree's memory; raise with the log's tail if
+    it fails or runs too long."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         started_unix, start = time.time(), time.perf_counter()
-        proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env} if env else None)
         with MemoryMonitor(proc.pid).watch() as memory:
             try:
                 code = proc.wait(timeout_s)
@@ -193,11 +198,11 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_yatt(items: list[str], run_dir: Path, *, timeout_s: float) -> JobRun:
+def run_yatt(items: list[str], run_dir: Path, *, timeout_s: float, env: Mapping[str, str] | None = None) -> JobRun:
     """``python -m launch run ITEMS`` into ``run_dir`` (items: an optional config path and
     dotted.key=value overrides), measured; its output goes to ``run_dir/launcher.log``."""
     cmd = [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"]
-    measured = run_monitored(cmd, run_dir / "launcher.log", timeout_s=timeout_s, what="yatt job " + " ".join(items))
+    measured = run_monitored(cmd, run_dir / "launcher.log", timeout_s=timeout_s, what="yatt job " + " ".join(items), env=env)
     metrics = read_metrics(run_dir / "metrics.jsonl")
     if not metrics:
         raise RuntimeError(f"the yatt job in {run_dir} wrote no metrics; its log:\n{log_tail(run_dir / 'launcher.log')}")

@@ -51,9 +51,17 @@ costs (``launch.plan.run_costs``, what ``python -m launch plan --from RUN_DIR`` 
 the planner predicts the median step of both runs from each calibration: the run's own
 layout (the fit) and the other layout (a prediction it was not fitted to).
 
+Live, here (``live``, on by default, ~5 min): ``examples/adaptive_judge.yaml`` (2
+generators, a judge and a trainer rank on 4 slots sharing the 2 cores) with its judge
+turning slow mid-run (``YATT_SLOW_REWARD=150:0.15``), re-planned (``placement.adaptive``)
+and pinned (``placement.adaptive=false``), ``live_repeats`` times each, interleaved: wall
+time, training time, median step after the change, held-out accuracy at the first and the
+last evaluation, groups lost and duplicated (from the ledger).
+
 Options (``--set KEY=VALUE``): ``sizes`` (GPUs, default [64, 1024]), ``workloads``,
 ``steps`` (60), ``scaling_sizes`` (the throughput-vs-size sweep, [8 ... 1024]; [] skips
-it), ``seed``, ``calibration`` (true), ``calibration_steps`` (40).
+it), ``seed``, ``calibration`` (true), ``calibration_steps`` (40), ``live`` (true),
+``live_repeats`` (1).
 """
 
 from __future__ import annotations
@@ -170,8 +178,12 @@ class Options:
     calibration: bool = True
     """Run the default job here in two layouts and check the calibrated planner's predictions."""
     calibration_steps: int = 40
+    live: bool = True
+    """Run examples/adaptive_judge.yaml here, re-planned and pinned, with its judge turning slow."""
+    live_repeats: int = 1
 
     def __post_init__(self) -> None:
+        require(self.live_repeats >= 1, "live_repeats", f"must be >= 1 (got {self.live_repeats})")
         require(all(s >= 8 for s in self.sizes), "sizes", f"must all be >= 8 GPUs (got {self.sizes})")
         require(all(s >= 8 for s in self.scaling_sizes), "scaling_sizes", f"must all be >= 8 GPUs (got {self.scaling_sizes})")
         unknown = [w for w in self.workloads if w not in WORKLOADS]
@@ -180,7 +192,7 @@ class Options:
         require(self.calibration_steps >= 6, "calibration_steps", f"must be >= 6 (got {self.calibration_steps})")
 
 
-QUICK: dict[str, object] = {"sizes": [16], "steps": 12, "scaling_sizes": [], "calibration": False}
+QUICK: dict[str, object] = {"sizes": [16], "steps": 12, "scaling_sizes": [], "calibration": False, "live": False}
 
 
 # ---------------------------------------------------------------------------- the world
@@ -519,7 +531,59 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     f["simulation_wall_s"] = time.perf_counter() - started
     if opts.calibration:
         calibration(result, opts.calibration_steps)
+    if opts.live:
+        live(result, opts.live_repeats)
     return result
+
+
+LIVE_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "adaptive_judge.yaml"
+LIVE_SLOW = "150:0.15"
+"""The judge's shift in the live runs: 0.15 s more per group once 150 groups are judged."""
+
+
+def live(result: Result, repeats: int) -> None:
+    """``LIVE_EXAMPLE`` re-planned and pinned, interleaved, its judge turning slow mid-run."""
+    import json
+
+    from benchmarks.faults import audit, training_prompts
+    from benchmarks.jobs import run_yatt
+    from launch.config import load_run_config
+    from workers.reward import SLOW_ENV
+
+    f, r = result.figures, result.ratios
+    seed = load_run_config(LIVE_EXAMPLE).run.seed
+    walls: dict[str, list[float]] = {"adaptive": [], "pinned": []}
+    change_at = 0
+    with tempfile.TemporaryDirectory(prefix="yatt-live-") as scratch:
+        for k in range(repeats):
+            for mode in walls:
+                run_dir = Path(scratch) / f"{mode}-{k}"
+                job = run_yatt([str(LIVE_EXAMPLE), f"placement.adaptive={mode == 'adaptive'}"], run_dir,
+                               timeout_s=900.0, env={SLOW_ENV: LIVE_SLOW})
+                walls[mode].append(job.wall_s)
+                tag = f"live_{mode}_{k}"
+                steps = [m["time/step_s"] for m in job.metrics]
+                f[f"{tag}_wall_s"] = job.wall_s
+                f[f"{tag}_training_s"] = sum(steps)
+                evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+                f[f"{tag}_accuracy_first"] = evals[0]["eval/reward/accuracy"]
+                f[f"{tag}_accuracy_last"] = evals[-1]["eval/reward/accuracy"]
+                out = audit(run_dir, seed, training_prompts(run_dir), job.wall_s, len(job.metrics) == len(steps))
+                f[f"{tag}_groups_lost"], f[f"{tag}_groups_duplicated"] = float(out.lost), float(out.duplicated)
+                decisions = ([json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+                             if (run_dir / "placement.jsonl").exists() else [])
+                changed = [int(d["step"]) for d in decisions if d["placement/changed"]]
+                f[f"{tag}_changes"] = float(len(changed))
+                if mode == "adaptive":
+                    result.notes += [f"{tag}: {d['reason']}" for d in decisions if d["placement/changed"]]
+                    change_at = changed[0] if changed else len(steps) - 1
+                # from 4 steps after the adaptive run's change (its new judge started), in both runs
+                f[f"{tag}_median_step_after_change_s"] = statistics.median(steps[min(change_at + 4, len(steps) - 1):])
+    r["live_adaptive_vs_pinned_wall"] = statistics.fmean(walls["adaptive"]) / statistics.fmean(walls["pinned"])
+    r["live_adaptive_vs_pinned_training"] = (
+        statistics.fmean(f[f"live_adaptive_{k}_training_s"] for k in range(repeats))
+        / statistics.fmean(f[f"live_pinned_{k}_training_s"] for k in range(repeats))
+    )
 
 
 CALIBRATION_LAYOUTS = ("colocated", "disaggregated")

@@ -12,6 +12,9 @@ registered (the READY handshake), then watches them::
                      rewinds to the last complete checkpoint and the group restarts from
                      it (a new incarnation, whose weights the generators take); each at
                      most run.restart_limit times
+        re-planned : after each step, the pools' busy times and the step's metrics go to the
+                     replanner (placement.adaptive, launch/adaptive.py; placement.jsonl); a
+                     changed plan moves generator and reward-engine slots between two steps
         watched    : no new step within run.stall_timeout_s stops the run with every
                      role's state and log tail; every role dies with the launcher
                      (PR_SET_PDEATHSIG), even a SIGKILLed one
@@ -27,6 +30,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
+import math
 import os
 import signal
 import socket
@@ -37,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from launch.adaptive import Adapter, keep_places, moved
 from launch.config import RunConfig, dump_run_config
 from launch.placement import describe, make_plan, write_plan
-from launch.plan import this_machine
+from launch.plan import BUILTIN_TINY, this_machine
 from protocols.messages import Ack, Query
 from yatt import trace
 from yatt.errors import (
@@ -51,7 +56,8 @@ from yatt.errors import (
     RequestTimeout,
     TransportError,
 )
-from yatt.placement.plan import Plan
+from yatt.placement.adaptive import SwitchCosts
+from yatt.placement.plan import ClusterSpec, Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport, make_curve_keys
 
@@ -165,6 +171,20 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     return build_tiny_model(run_dir / "model", seed=cfg.run.seed)
 
 
+def with_builtin_scorer_models(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """``cfg`` with each reward_model or judge scorer whose model_path is ``builtin:tiny`` given
+    a tiny model built in ``<run_dir>/scorer-<i>`` (untrained: a judge that mostly writes
+    unparsable verdicts, to try a judge's cost and placement on a CPU)."""
+    from workers.models import build_tiny_model
+
+    scorers = [
+        dataclasses.replace(s, model_path=str(build_tiny_model(run_dir / f"scorer-{i}", seed=cfg.run.seed + 1 + i)))
+        if s.kind in ("reward_model", "judge") and s.model_path == BUILTIN_TINY else s
+        for i, s in enumerate(cfg.reward.scorers)
+    ]  # fmt: skip
+    return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, scorers=scorers))
+
+
 def role_counts(cfg: RunConfig) -> dict[str, int]:
     """How many processes of each role the run has, in the order they are started."""
     return {
@@ -242,12 +262,34 @@ class LocalLauncher:
         """The checkpoint the trainer group (re)starts from."""
         self.incarnation = 0
         """Restarts of the trainer group in this run (its weight updates carry it)."""
+        self.cluster: ClusterSpec | None = None
+        self.adapter: Adapter | None = None
+        """Re-plans from each step's measured times (placement.adaptive); None: the plan stays."""
+        self._decisions: asyncio.Queue[dict[str, float]] = asyncio.Queue()
+        self._next_plan: tuple[Plan, str] | None = None
 
     def make_plan(self) -> Plan | None:
         """Where each role runs on this machine (written to the run dir; roles read it back)."""
-        cluster = this_machine(peak_flops=0.0)  # the planner measures the peak when it needs it
+        cluster = this_machine(peak_flops=0.0, cpu_slots=self.cfg.placement.cpu_slots)  # the planner measures the peak when it needs it
         self.gpu_slots = cluster.slots[0].kind == "gpu"
+        self.cluster = cluster
         return make_plan(self.cfg, cluster)
+
+    def make_adapter(self, ready_s: float) -> Adapter | None:
+        """The run's replanner (placement.adaptive), its switch costs this run's own: for an
+        engine that joins, ``ready_s`` (this run's start to READY, every role: an upper bound
+        for one process); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
+        if not self.cfg.placement.adaptive or self.plan is None or self.cluster is None:
+            return None
+        if self.plan.layout == "partial":  # its generators sleep and wake with the trainer's steps
+            print("yatt: placement.adaptive: a partial run keeps its plan (a run re-plans disaggregated and "
+                  "colocated plans; partial ones in the simulator only)", flush=True)
+            return None
+        from launch.plan import with_peak
+
+        cluster = self.cluster if self.cluster.peak_flops > 0 else with_peak(self.cluster, self.cfg.model.dtype)
+        switch = SwitchCosts(to_rollout_s=ready_s, to_train_s=1.0, reshard_s=math.inf)
+        return Adapter(self.cfg, self.plan, cluster, self.run_dir, switch=switch)
 
     def _gpus_of(self, role: str, index: int) -> list[int]:
         """The GPUs of a role process's slots (on a GPU machine; none for a light role)."""
@@ -320,12 +362,20 @@ class LocalLauncher:
             try:
                 self.master_port = self.rendezvous_port()
                 async with Directory(transport, self.registry_endpoint, name="launcher") as directory:
+                    started = time.monotonic()
                     for role, count in self.processes().items():
                         for index in range(count):
                             self.procs.append(self._spawn(role, index))
                     await self._wait_ready(directory, stop)
                     print(f"yatt: all roles READY; run dir {self.run_dir}", flush=True)
-                    code = await self._watch(directory, stop)
+                    self.adapter = await asyncio.to_thread(self.make_adapter, time.monotonic() - started)
+                    replan = asyncio.ensure_future(self._replan(directory)) if self.adapter else None
+                    try:
+                        code = await self._watch(directory, stop)
+                    finally:
+                        if replan is not None:
+                            replan.cancel()
+                            await asyncio.gather(replan, return_exceptions=True)
                     if code == 0:
                         print(f"yatt: {finish_line(self.run_dir)}", flush=True)
                     return code
@@ -342,9 +392,14 @@ class LocalLauncher:
         check_run_dir(self.run_dir, self.resume)
         if failpoint := os.environ.get(trace.FAILPOINT_ENV):
             trace.parse_failpoint(failpoint)
+        if os.environ.get(trace.SLOW_REWARD_ENV):
+            from workers.reward import SlowDown
+
+            SlowDown.from_env(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
+        self.cfg = await asyncio.to_thread(with_builtin_scorer_models, self.cfg, self.run_dir)
         from workers.scorers import check_custom_scorers
         from yatt.data import load_prompt_sets
 
@@ -481,6 +536,11 @@ class LocalLauncher:
                     return code
                 if progress.update():
                     last_step = time.monotonic()
+                    for line in progress.lines:
+                        self._decisions.put_nowait(line)
+                if self._next_plan is not None:
+                    await self._apply_plan(*self._next_plan)
+                    self._next_plan = None
                 stall = self.cfg.run.stall_timeout_s
                 if stall and time.monotonic() - last_step > stall:
                     raise ActorFailed(
@@ -525,6 +585,48 @@ class LocalLauncher:
             return 130
         finally:
             progress.close()
+
+    async def _replan(self, directory: Directory) -> None:
+        """Feed each step's times to the replanner (beside the watch loop: a stats query may
+        wait on a busy worker); a changed plan is carried out by the watch loop."""
+        assert self.adapter is not None
+        while True:
+            line = await self._decisions.get()
+            try:
+                times = await self.adapter.measure(directory, line)
+                if times is None:
+                    continue
+                decision = self.adapter.decide(int(line["step"]), times)
+            except Exception as e:  # the run goes on with its plan; the next step re-plans
+                print(f"yatt: re-planning after step {int(line['step'])} failed ({e!r}); the plan stays", file=sys.stderr, flush=True)
+                continue
+            if decision.changed:
+                self._next_plan = (decision.plan, decision.reason)
+
+    async def _apply_plan(self, plan: Plan, reason: str) -> None:
+        """Carry out a re-planned ``plan`` between two steps (``launch.adaptive``): the leaving
+        generators and reward workers stop (their in-flight requests are re-issued), the plan
+        is written, the joining ones start on their slots; nothing else stops."""
+        assert self.plan is not None
+        plan = keep_places(self.plan, plan)
+        stop, start = moved(self.plan, plan)
+        leaving = [p for p in self.procs if (p.role, p.index) in stop]
+        began = time.monotonic()
+        await self._stop(leaving)
+        await self._forget(leaving)
+        for p in leaving:
+            self.procs.remove(p)
+        self.plan = plan
+        write_plan(plan, self.run_dir)
+        for role, index in start:
+            self.procs.append(self._spawn(role, index))
+        def names(pairs: list[tuple[str, int]]) -> str:
+            return ", ".join(f"{r}-{i}" for r, i in pairs) or "none"
+
+        print(
+            f"yatt: placement {reason}; stopped {names(stop)} ({time.monotonic() - began:.1f} s), started {names(start)}",
+            flush=True,
+        )
 
     def outcome(self, directory: Directory) -> int | None:
         """The launcher's exit code once its work is done by another sign than trainer rank 0
@@ -634,6 +736,8 @@ class Progress:
         self.path = path
         self._offset = 0
         self._bar = None
+        self.lines: list[dict[str, float]] = []
+        """The lines the last ``update`` read."""
         if enabled:
             from tqdm import tqdm
 
@@ -649,8 +753,8 @@ class Progress:
         complete = text[: text.rfind("\n") + 1]
         self._offset += len(complete.encode())
         lines = complete.splitlines()
-        for line in lines:
-            m = json.loads(line)
+        self.lines = [json.loads(line) for line in lines]
+        for m in self.lines:
             if self._bar is None:
                 continue
             self._bar.n = int(m["step"]) + 1

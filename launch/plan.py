@@ -24,7 +24,7 @@ from launch.config import RunConfig, load_run_config, split_items
 from launch.placement import roles_of
 from yatt.errors import ConfigError
 from yatt.placement.costs import calibrate, estimate_costs, hf_param_count, model_sizes
-from yatt.placement.layouts import cpu_cluster, gpu_cluster
+from yatt.placement.layouts import cpu_cluster, gpu_cluster, slot_share
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.placement.planner import (
     GIB,
@@ -50,6 +50,9 @@ SMOLLM2_CONFIG: dict[str, object] = {
     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
 }  # fmt: skip
 """The shape of SmolLM2-135M-Instruct (``builtin:smollm2``), used before it is exported."""
+
+BUILTIN_TINY = "builtin:tiny"
+"""A reward_model or judge scorer's model_path for a tiny untrained model built in the run dir."""
 
 FILTERED_ACCEPTANCE = 0.5
 """Acceptance rate assumed for a filtering buffer until a run measures it."""
@@ -105,9 +108,10 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def this_machine(*, peak_flops: float | None = None, dtype: str = "auto") -> ClusterSpec:
+def this_machine(*, peak_flops: float | None = None, dtype: str = "auto", cpu_slots: int = 0) -> ClusterSpec:
     """The slots of this machine: one per GPU when torch sees any, else one per core of this
-    process's affinity; ``peak_flops`` None measures one slot's in ``dtype`` (model.dtype)."""
+    process's affinity (or ``cpu_slots`` sharing them, placement.cpu_slots); ``peak_flops``
+    None measures one slot's in ``dtype`` (model.dtype)."""
     import torch
 
     cores = sorted(os.sched_getaffinity(0))
@@ -115,7 +119,7 @@ def this_machine(*, peak_flops: float | None = None, dtype: str = "auto") -> Clu
         memory = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
         cluster = gpu_cluster(memory, cores)
     else:
-        cluster = cpu_cluster(cores, machine_memory())
+        cluster = cpu_cluster(cores, machine_memory(), slots=cpu_slots)
     return with_peak(cluster, dtype) if peak_flops is None else replace(cluster, peak_flops=peak_flops)
 
 
@@ -125,7 +129,8 @@ def with_peak(cluster: ClusterSpec, dtype: str = "auto") -> ClusterSpec:
     dt = compute_dtype(dtype, slot.kind)
     if slot.kind == "gpu":
         return replace(cluster, peak_flops=measure_peak_flops(device=slot.device, dtype=dt))
-    return replace(cluster, peak_flops=measure_peak_flops(dtype=dt, threads=max(1, len(slot.cores))))
+    peak = measure_peak_flops(dtype=dt, threads=max(1, len(slot.cores)))
+    return replace(cluster, peak_flops=peak * slot_share(cluster))
 
 
 def _read_config_json(path: str, what: str) -> dict[str, Any]:
@@ -154,7 +159,7 @@ def run_sizes(cfg: RunConfig, kind: str) -> ModelSizes:
     for GAE, and a reward model or judge when a scorer runs one."""
     dtype = compute_dtype(cfg.model.dtype, kind)
     reward_params = sum(
-        hf_param_count(_read_config_json(s.model_path, f"reward.scorers[{i}].model_path"))
+        hf_param_count(TINY_CONFIG if s.model_path == BUILTIN_TINY else _read_config_json(s.model_path, f"reward.scorers[{i}].model_path"))
         for i, s in enumerate(cfg.reward.scorers) if s.kind in ("reward_model", "judge")
     )
     return model_sizes(
@@ -279,7 +284,7 @@ def table(cands: list[Candidate]) -> str:
 def plan_main(args: argparse.Namespace) -> int:
     config_path, overrides = split_items(args.items)
     cfg = load_run_config(config_path, overrides)
-    cluster = this_machine(peak_flops=args.peak_flops, dtype=cfg.model.dtype)
+    cluster = this_machine(peak_flops=args.peak_flops, dtype=cfg.model.dtype, cpu_slots=cfg.placement.cpu_slots)
     kind = cluster.slots[0].kind
     costs = run_costs(cfg, cluster, args.measured)
     sizes, workload = run_sizes(cfg, kind), run_workload(cfg, kind)

@@ -126,9 +126,10 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
 
 
 async def _reward(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
-    from workers.reward import Reward
+    from workers.reward import Reward, SlowDown
 
-    actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path))
+    actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path),
+                   slow=SlowDown.from_env(Path(args.run_dir)))
     await _serve(actor, args.registry, stop)
 
 

@@ -462,6 +462,11 @@ class SlurmLauncher(LocalLauncher):
         trainer ranks host a generator engine, the threads of each."""
         return placement_plan(self.placement, self.cpus)
 
+    def make_adapter(self, ready_s: float) -> None:
+        """No re-planning on SLURM yet: its plan places roles by node, and moving one means a
+        new job step on another node (the run keeps the plan it started with)."""
+        return None
+
     def role_command(self, role: str, index: int) -> list[str]:
         node = self.placement.node_of(role, index)
         step = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[node]}", f"--job-name={role}-{index}"]

@@ -87,6 +87,7 @@ def test_generation_quick_measures_every_column(tmp_path: Path) -> None:
         (["controllers", "--set", "generators=0"], "generators must be >= 1 (got 0)"),
         (["placement", "--set", "workloads=[judges]"], "workloads unknown ['judges']"),
         (["placement", "--set", "sizes=[4]"], "sizes must all be >= 8 GPUs (got [4])"),
+        (["placement", "--set", "live_repeats=0"], "live_repeats must be >= 1 (got 0)"),
     ],
 )
 def test_bad_options_are_refused_with_the_field_named(

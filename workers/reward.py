@@ -8,12 +8,19 @@ scores that sample as failed, with the reason in ``Scores.failures``, and the wo
 goes on serving, until one scorer fails on more than ``reward.max_failure_share`` of its
 last samples: then it stops the run with the scorer's error and traceback (a reward that
 always fails would otherwise train on zeros and look like a model that does not learn).
+
+``reward/busy_s`` (its ``stats``) is the time the worker had at least one group to score:
+the launcher's re-planning reads the pool's busy time from it each step. ``YATT_SLOW_REWARD``
+injects a workload shift for tests and benchmarks (``SlowDown``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -24,8 +31,46 @@ from workers.scorers import RewardMix
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import RewardConfig
-from yatt.errors import ProtocolError, RunStopped
+from yatt.errors import ConfigError, ProtocolError, RunStopped
 from yatt.transport import Transport
+
+SLOW_ENV = trace.SLOW_REWARD_ENV
+
+
+@dataclass(frozen=True)
+class SlowDown:
+    """A judge turning slow mid-run, injected (``YATT_SLOW_REWARD=GROUPS:SECONDS``): once a
+    reward worker of the run has scored GROUPS groups, every reward worker of the run (a
+    restarted or newly started one too: a marker file in the run dir says so) takes SECONDS
+    longer per group, one group at a time, as a judge engine that serves one batch at a time."""
+
+    after_groups: int
+    seconds: float
+    marker: Path
+
+    @classmethod
+    def from_env(cls, run_dir: Path) -> SlowDown | None:
+        spec = os.environ.get(SLOW_ENV, "")
+        if not spec:
+            return None
+        try:
+            groups, seconds = spec.split(":")
+            slow = cls(int(groups), float(seconds), run_dir / "failpoints" / "slow_reward")
+        except ValueError:
+            slow = None
+        if slow is None or slow.after_groups < 0 or not slow.seconds >= 0:
+            raise ConfigError(f"{SLOW_ENV}={spec!r}: expected GROUPS:SECONDS (GROUPS >= 0, SECONDS >= 0), e.g. 40:0.5")
+        return slow
+
+    def active(self, scored: int) -> bool:
+        """Whether scoring is slow now, ``scored`` groups scored by this worker."""
+        if self.marker.exists():
+            return True
+        if scored >= self.after_groups:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"{time.time()}\n")
+            return True
+        return False
 
 
 class Reward(Actor):
@@ -41,6 +86,7 @@ class Reward(Actor):
         config: RewardConfig,
         tokenizer_path: str,
         actor_id: str | None = None,
+        slow: SlowDown | None = None,
     ) -> None:
         super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -48,6 +94,12 @@ class Reward(Actor):
         self.score_s = 0.0
         self.samples = 0
         self.failures = 0
+        self.groups = 0
+        self.busy_s = 0.0  # time with at least one group being scored (not summed over overlaps)
+        self._active = 0
+        self._busy_since = 0.0
+        self._slow = slow
+        self._slow_lock = asyncio.Lock()
         self._stopping = False
 
     async def _stop_with(self, error: BaseException) -> None:
@@ -67,9 +119,21 @@ class Reward(Actor):
             for text, reason in zip(completions, msg.finish_reasons, strict=True)
         ]
         start = time.perf_counter()
-        with trace.span("score"):
-            results = await self.mix.score(inputs)
+        if not self._active:
+            self._busy_since = start
+        self._active += 1
+        try:
+            with trace.span("score"):
+                results = await self.mix.score(inputs)
+                if self._slow is not None and self._slow.active(self.groups):
+                    async with self._slow_lock:
+                        await asyncio.sleep(self._slow.seconds)
+        finally:
+            self._active -= 1
+            if not self._active:
+                self.busy_s += time.perf_counter() - self._busy_since
         self.score_s += time.perf_counter() - start
+        self.groups += 1
         self.samples += len(results)
         self.failures += sum(bool(r.failure) for r in results)
         failing = self.mix.failing()
@@ -95,6 +159,7 @@ class Reward(Actor):
             return Metrics(
                 values={
                     "reward/score_s": self.score_s,
+                    "reward/busy_s": self.busy_s + (time.perf_counter() - self._busy_since if self._active else 0.0),
                     "reward/samples": float(self.samples),
                     "reward/failed_samples": float(self.failures),
                 }

@@ -128,7 +128,8 @@ class ScorerConfig:
     function: str = ""
     """custom: dotted path 'package.module:function' or 'package.module.function'."""
     model_path: str = ""
-    """reward_model / judge: a local Hugging Face directory."""
+    """reward_model / judge: a local Hugging Face directory (``builtin:tiny``: a tiny untrained
+    model built in the run dir, to try a judge's cost and placement on a CPU)."""
     judge_template: str = ""
     """judge: prompt template with {prompt}, {completion} and {answer}."""
     judge_samples: int = 1
@@ -614,3 +615,22 @@ class PlacementConfig:
     partial: training on every slot, generators on a subset, asleep while training runs;
     disaggregated: disjoint slots, asynchronous within buffer.max_staleness;
     auto: the planner picks the layout with the lowest predicted step time."""
+    adaptive: bool = True
+    """Re-plan at run time from each step's measured stage times (yatt/placement/adaptive.py):
+    slots move between the generator and reward-engine pools at a step boundary when a
+    neighbouring split is predicted faster by ``adaptive_margin`` for ``adaptive_patience``
+    steps and pays back its switch. Every decision is a line of ``placement.jsonl``;
+    false pins the plan of the start."""
+    adaptive_margin: float = 0.05
+    """Share of the predicted step time a neighbouring plan must save to be considered."""
+    adaptive_patience: int = 3
+    """Steps in a row a neighbour must win before the plan changes (hysteresis)."""
+    cpu_slots: int = 0
+    """On a CPU machine: the device slots its cores are cut into; 0: one per core. More slots
+    than cores time-share them (each gets cores/slots of a core's throughput, and the planner
+    predicts with that): a small machine can then place as many pools as a larger one."""
+
+    def __post_init__(self) -> None:
+        require(self.adaptive_margin >= 0, "adaptive_margin", f"must be >= 0 (got {self.adaptive_margin})")
+        require(self.adaptive_patience >= 1, "adaptive_patience", f"must be >= 1 (got {self.adaptive_patience})")
+        require(self.cpu_slots >= 0, "cpu_slots", f"must be >= 0, 0 for one slot per core (got {self.cpu_slots})")

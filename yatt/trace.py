@@ -60,6 +60,8 @@ _wall0 = time.time()
 _sampler: threading.Thread | None = None
 
 FAILPOINT_ENV = "YATT_FAILPOINT"
+SLOW_REWARD_ENV = "YATT_SLOW_REWARD"
+"""A workload shift injected into the reward workers (``workers.reward.SlowDown``)."""
 
 
 class _Failpoint:

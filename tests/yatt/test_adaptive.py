@@ -149,3 +149,16 @@ def test_within_the_margin_the_plan_stays() -> None:
     r = replanner(split(4, 4), patience=1, margin=0.5)
     d = r.observe(0, times(3.0, 1.5))
     assert not d.changed and d.best is None and d.reason.startswith("keep disaggregated")
+
+
+def test_keep_trainers_offers_only_moves_that_leave_the_trainer_ranks_in_place() -> None:
+    free = replanner(split(2, 4, rewards=2, engines=True))
+    kept = replanner(split(2, 4, rewards=2, engines=True), keep_trainers=True)
+    trainer_slots = [a.slots for a in free.plan.of("trainer")]
+    assert any([a.slots for a in m.plan.of("trainer")] != trainer_slots for m in free.neighbours())
+    moves = kept.neighbours()
+    assert {m.what for m in moves} == {"1 slots generate -> reward", "1 slots reward -> generate"}
+    assert all([a.slots for a in m.plan.of("trainer")] == trainer_slots for m in moves)
+    # a generation-bound step would move slots to the generators from the trainer: not offered
+    d = kept.observe(0, times(6.0, 1.5, reward=0.1))
+    assert d.best is None or "train" not in d.best.what

@@ -22,8 +22,9 @@ split of each other layout. A change's cost (``SwitchCosts``) is paid once at th
 boundary: slots that start serving (engine start and weight load), slots that stop
 (sleep, in-flight requests finished or re-issued), and a trainer world-size change
 (checkpoint and resharded restore), whichever slots move (the others stay in place).
-Pure: the cluster simulator (``benchmarks/placement.py``) runs it in its loop; a run does
-not call it yet (its plan is fixed at start).
+Pure: the cluster simulator (``benchmarks/placement.py``) runs it in its loop, and so does
+a run's launcher (``launch/adaptive.py``, ``placement.adaptive``), which carries out the
+moves between generators and reward engines in place (``keep_trainers``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def pools(plan: Plan) -> dict[str, int]:
         "reward": len({s for a in plan.of("reward") for s in a.slots}),
         "train": n_train,
     }
+
+
+def _trainer_slots(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    return tuple(a.slots for a in plan.of("trainer"))
 
 
 def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, plan: Plan) -> StageCosts:
@@ -251,6 +256,7 @@ class Replanner:
         horizon_steps: int = 20,
         smoothing: float = 0.5,
         layouts: tuple[Layout, ...] = LAYOUTS,
+        keep_trainers: bool = False,
     ) -> None:
         assert margin >= 0 and patience >= 1 and horizon_steps >= 1 and 0 < smoothing <= 1
         self.plan = plan
@@ -258,6 +264,9 @@ class Replanner:
         self.costs = costs
         self.margin, self.patience, self.horizon_steps, self.smoothing = margin, patience, horizon_steps, smoothing
         self.layouts = layouts
+        self.keep_trainers = keep_trainers
+        """Only neighbours with the trainer ranks on the same slots (what a run's executor
+        carries out in place today: generators and reward engines joining or leaving)."""
         self.streak = 0
         self.decisions: list[Decision] = []
         self._plans: dict[tuple[Layout, Roles], Plan | None] = {}
@@ -289,6 +298,8 @@ class Replanner:
             if option.generators < 1 or option.trainers < 1 or option.rewards < (1 if roles.reward_engines else 0):
                 continue
             plan = self._assign(to, option)
+            if plan is not None and self.keep_trainers and _trainer_slots(plan) != _trainer_slots(self.plan):
+                continue
             move = self._move(plan, what) if plan is not None else None
             if move is not None and (what not in best_of or move.predicted_step_s < best_of[what].predicted_step_s):
                 best_of[what] = move

@@ -39,11 +39,20 @@ class Roles:
     """Slots one generator spans (vLLM tensor parallelism; GPU only)."""
 
 
-def cpu_cluster(cores: list[int], memory_bytes: int, *, peak_flops: float = 0.0) -> ClusterSpec:
-    """One slot per core; each slot gets an equal share of the memory."""
-    share = memory_bytes // max(1, len(cores))
-    slots = tuple(Slot(index=i, kind="cpu", memory_bytes=share, cores=(c,)) for i, c in enumerate(cores))
-    return ClusterSpec(slots=slots, peak_flops=peak_flops)
+def cpu_cluster(cores: list[int], memory_bytes: int, *, peak_flops: float = 0.0, slots: int = 0) -> ClusterSpec:
+    """One slot per core (``slots`` 0), or ``slots`` slots on the cores in turn (more slots
+    than cores time-share them); each slot gets an equal share of the memory. ``peak_flops``
+    is one slot's: a core's, times cores / slots when they share."""
+    n = slots or len(cores)
+    share = memory_bytes // max(1, n)
+    made = tuple(Slot(index=i, kind="cpu", memory_bytes=share, cores=(cores[i % len(cores)],)) for i in range(n))
+    return ClusterSpec(slots=made, peak_flops=peak_flops)
+
+
+def slot_share(cluster: ClusterSpec) -> float:
+    """The share of its cores' throughput one slot gets (1.0 unless slots time-share cores)."""
+    cores = {c for s in cluster.slots for c in s.cores}
+    return min(1.0, len(cores) / len(cluster.slots)) if cores and cluster.slots[0].kind == "cpu" else 1.0
 
 
 def gpu_cluster(memory_bytes: list[int], cores: list[int], *, peak_flops: float = 0.0) -> ClusterSpec:

@@ -1,0 +1,140 @@
+"""Re-planning inside a run (``placement.adaptive``): the launcher's side of
+``yatt.placement.adaptive``.
+
+After each step (a new line of ``metrics.jsonl``) the launcher asks every generator and
+reward worker for its busy time (``Query("stats")``: ``generator/generate_s``,
+``reward/busy_s``), takes the step's share, adds the trainer's times, lengths and
+acceptance from the metrics line, and hands the ``StepTimes`` to a ``Replanner`` seeded
+with the planner's own estimates for the run. Every decision is a line of
+``<run_dir>/placement.jsonl`` (its reason, predicted step times, gain, switch cost);
+when the plan changes, the launcher carries it out in place (``LocalLauncher``):
+
+    keep_places(old, new)    staying processes keep their slots; the moved ones are named
+    stop the leaving ones    SIGTERM; the registry drops them, the controllers re-issue
+                             their in-flight requests (nothing lost: the ledger decides)
+    write plan.json          the joining processes read their slots from it
+    start the joining ones   they register and the controllers' pools grow
+
+The trainer ranks stay where they are (``keep_trainers``): a neighbour that moves them, or
+changes the layout, is not considered in a run (the cluster simulator considers them).
+The switch costs are this run's own: how long its generator and reward processes took
+from start to registration, and how long stopping one takes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from launch.config import RunConfig
+from launch.plan import run_costs, run_sizes, run_workload
+from protocols.messages import Metrics, Query
+from yatt.errors import YattError
+from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
+from yatt.placement.plan import Assignment, ClusterSpec, Plan
+from yatt.registry import Directory
+
+DECISIONS_FILE = "placement.jsonl"
+BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
+"""The cumulative busy seconds each pool's workers report in their stats."""
+
+
+def keep_places(old: Plan, new: Plan) -> Plan:
+    """``new`` with its generators and reward workers renumbered so that as many processes as
+    possible keep their index and slots: an index whose slots are still in its role's pool
+    keeps them; the others take what is left, in order."""
+    assignments: list[Assignment] = [a for a in new.assignments if a.role not in BUSY_KEYS]
+    for role in BUSY_KEYS:
+        before = {a.index: a.slots for a in old.of(role)}
+        free = list(new.of(role))
+        count = len(free)
+        kept: dict[int, Assignment] = {}
+        for index in range(count):
+            same = next((a for a in free if a.slots == before.get(index)), None)
+            if same is not None:
+                kept[index] = same
+                free.remove(same)
+        for index in range(count):
+            if index not in kept:
+                kept[index] = free.pop(0)
+        assignments += [replace(kept[i], index=i) for i in sorted(kept)]
+    return replace(new, assignments=tuple(assignments))
+
+
+def moved(old: Plan, new: Plan) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The processes a change stops and the ones it starts: (role, index) of each, for the
+    generators and reward workers whose slots differ (or that exist on one side only)."""
+    stop: list[tuple[str, int]] = []
+    start: list[tuple[str, int]] = []
+    for role in BUSY_KEYS:
+        a = {x.index: x.slots for x in old.of(role)}
+        b = {x.index: x.slots for x in new.of(role)}
+        stop += [(role, i) for i in sorted(a) if b.get(i) != a[i]]
+        start += [(role, i) for i in sorted(b) if a.get(i) != b[i]]
+    return stop, start
+
+
+class Adapter:
+    """The run's replanner, fed from the roles' stats and the metrics lines."""
+
+    def __init__(self, cfg: RunConfig, plan: Plan, cluster: ClusterSpec, run_dir: Path, *, switch: SwitchCosts) -> None:
+        kind = cluster.slots[0].kind
+        self.cfg = cfg
+        self.path = run_dir / DECISIONS_FILE
+        self.replanner = Replanner(
+            plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
+            workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
+            patience=cfg.placement.adaptive_patience, layouts=(plan.layout,), keep_trainers=True,
+        )  # fmt: skip
+        self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
+        self.busy_workers = {role: 0 for role in BUSY_KEYS}
+        """Workers of each pool busy in the last measured step."""
+
+    async def busy(self, directory: Directory, role: str, timeout: float) -> tuple[float | None, int]:
+        """The pool's busy seconds since the last call: the mean over its live workers of
+        each one's growth (a worker seen for the first time counts from its start; None when
+        no worker answered), and how many of them were busy."""
+        grown = []
+        for member in directory.members(role):
+            try:
+                reply = await directory.client(member.actor_id).request(Query(what="stats"), Metrics, timeout=timeout)
+            except (YattError, KeyError):
+                continue  # leaving, gone or busy past the limit: the next step measures the pool
+            total = reply.values.get(BUSY_KEYS[role])
+            if total is None:
+                continue
+            grown.append(max(0.0, total - self._busy.get(member.actor_id, 0.0)))
+            self._busy[member.actor_id] = total
+        return (sum(grown) / len(grown) if grown else None), sum(g > 0 for g in grown)
+
+    async def measure(self, directory: Directory, line: dict[str, float]) -> StepTimes | None:
+        """One step's ``StepTimes`` from its metrics line and the pools' busy time."""
+        timeout = self.cfg.transport.request_timeout_s
+        generate, self.busy_workers["generator"] = await self.busy(directory, "generator", timeout)
+        reward, self.busy_workers["reward"] = await self.busy(directory, "reward", timeout)
+        if generate is None or "time/train_s" not in line:
+            return None
+        mean = line.get("response_length/mean") or line.get("tokens_per_s", 0.0) / max(line.get("samples_per_s", 0.0), 1e-9)
+        acceptance = line.get("buffer/acceptance_ema", 1.0)
+        return StepTimes(
+            generate_s=generate, tail_s=0.0, reward_s=reward or 0.0, train_s=line["time/train_s"],
+            weight_sync_s=line.get("time/weight_sync_s", 0.0), switch_s=line.get("time/switch_s", 0.0),
+            completion_mean=max(1.0, mean), completion_p90=max(1.0, line.get("response_length/max", mean)),
+            acceptance=min(1.0, acceptance) if 0 < acceptance and math.isfinite(acceptance) else 1.0,
+        )  # fmt: skip
+
+    def decide(self, step: int, times: StepTimes) -> Decision:
+        """The replanner's decision after ``step``, written to ``placement.jsonl``."""
+        decision = self.replanner.observe(step, times, steps_left=self.cfg.run.steps - step - 1)
+        record: dict[str, Any] = {"step": step, "reason": decision.reason, **decision.metrics()}
+        record["measured/generate_s"], record["measured/reward_s"] = times.generate_s, times.reward_s
+        record["measured/train_s"] = times.train_s
+        record.update({f"measured/{role}_busy_workers": n for role, n in self.busy_workers.items()})
+        if decision.changed:
+            record["plan"] = decision.plan.to_json()
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return decision

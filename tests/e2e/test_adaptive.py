@@ -1,0 +1,57 @@
+"""Re-planning inside a run, live: the judge of ``examples/adaptive_judge.yaml`` turns slow
+mid-run (injected: ``YATT_SLOW_REWARD``) and the launcher moves a generator's slot to a
+second judge between two steps, without stopping the run, losing nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.faults import audit, training_prompts
+from launch.config import load_run_config
+from tests.e2e.test_loop import finish, metrics
+from tests.learning import assert_default_job_learned
+from workers.reward import SLOW_ENV
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "adaptive_judge.yaml"
+
+
+def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "adaptive"
+    log = (tmp_path / "adaptive.launcher.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, SLOW_ENV: "150:0.15"},
+    )  # fmt: skip
+    finish(proc, run_dir)
+    said = (tmp_path / "adaptive.launcher.log").read_text()
+    decisions = [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in decisions] == list(range(40)), "a decision after every step"
+    changes = [d for d in decisions if d["placement/changed"]]
+    assert len(changes) == 1 and "1 slots generate -> reward" in changes[0]["reason"], [d["reason"] for d in decisions]
+    # Before the judge turned slow the plan was kept; the change waited for the hysteresis.
+    assert decisions[0]["reason"].startswith("keep disaggregated")
+    held = decisions[changes[0]["step"] - 2 : changes[0]["step"]]
+    assert [d["placement/streak"] for d in held] == [1.0, 2.0]
+    # Carried out in place: generator-1 stopped, reward-1 started on its slot, the run went on.
+    assert "stopped generator-1" in said and "started reward-1" in said, said[-3000:]
+    assert "exited with code" not in said and "restarting" not in said, said[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())["assignments"]
+    placed = {(a["role"], a["index"]): a["slots"] for a in plan if a["role"] in ("generator", "reward")}
+    assert placed == {("generator", 0): [0], ("reward", 0): [2], ("reward", 1): [1]}
+    after = [d for d in decisions if d["step"] > changes[0]["step"] + 2]
+    assert any(d["measured/reward_busy_workers"] == 2 for d in after), "the second judge never scored"
+    assert "re-planning after step" not in said, said[-3000:]
+    rows = metrics(run_dir)
+    assert_default_job_learned(rows, run_dir)
+    # The ledger against the prompt order (two epochs): no group lost, none trained twice.
+    out = audit(run_dir, load_run_config(EXAMPLE).run.seed, training_prompts(run_dir), 0.0, True)
+    assert (out.lost, out.duplicated, out.steps_twice) == (0, 0, 0)

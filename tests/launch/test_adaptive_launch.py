@@ -1,0 +1,76 @@
+"""The launcher's side of re-planning, without a run: where the moved processes go, what a
+change stops and starts, time-shared CPU slots, the injected slow judge, the knobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.adaptive import keep_places, moved
+from launch.config import load_run_config
+from workers.reward import SLOW_ENV, SlowDown
+from yatt.errors import ConfigError
+from yatt.placement.layouts import Roles, assign, cpu_cluster, slot_share
+
+GIB = 1 << 30
+
+
+def roles(generators: int, rewards: int) -> Roles:
+    return Roles(trainers=1, generators=generators, rewards=rewards, controllers=2, reward_engines=True)
+
+
+def test_four_slots_share_two_cores_at_half_a_core_each() -> None:
+    shared = cpu_cluster([0, 1], 8 * GIB, slots=4)
+    assert [s.cores for s in shared.slots] == [(0,), (1,), (0,), (1,)]
+    assert slot_share(shared) == 0.5 and shared.slots[0].memory_bytes == 2 * GIB
+    one_each = cpu_cluster([0, 1], 8 * GIB)
+    assert len(one_each.slots) == 2 and slot_share(one_each) == 1.0
+
+
+def test_a_moved_slot_stops_one_generator_and_starts_one_judge_the_rest_stay() -> None:
+    cluster = cpu_cluster([0, 1], 8 * GIB, slots=4)
+    old = assign("disaggregated", cluster, roles(2, 1))
+    new = assign("disaggregated", cluster, roles(1, 2))
+    # as assigned, judge 0 would move to the freed slot 1 and judge 1 take its slot 2
+    assert [a.slots for a in new.of("reward")] == [(1,), (2,)]
+    kept = keep_places(old, new)
+    assert {(a.role, a.index): a.slots for a in kept.assignments if a.slots} == {
+        ("generator", 0): (0,), ("reward", 0): (2,), ("reward", 1): (1,), ("trainer", 0): (3,),
+    }  # fmt: skip
+    assert [a.cores for a in kept.of("reward")] == [(0,), (1,)]
+    assert moved(old, kept) == ([("generator", 1)], [("reward", 1)])
+    assert moved(old, old) == ([], [])
+    back = keep_places(kept, assign("disaggregated", cluster, roles(2, 1)))
+    assert moved(kept, back) == ([("reward", 1)], [("generator", 1)])  # and back: judge 0 stays on slot 2
+
+
+def test_the_slow_judge_is_parsed_named_when_wrong_and_shared_by_a_marker(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(SLOW_ENV, raising=False)
+    assert SlowDown.from_env(tmp_path) is None
+    for bad in ("fast", "10", "10:x", "-1:0.5"):
+        monkeypatch.setenv(SLOW_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{SLOW_ENV}={bad!r}: expected GROUPS:SECONDS"):
+            SlowDown.from_env(tmp_path)
+    monkeypatch.setenv(SLOW_ENV, "3:0.25")
+    first, joining = SlowDown.from_env(tmp_path), SlowDown.from_env(tmp_path)
+    assert first is not None and joining is not None and first.seconds == 0.25
+    assert not first.active(2) and not joining.active(0)
+    assert first.active(3)  # the 3rd group judged: slow from now on, for every worker of the run
+    assert joining.active(0)
+
+
+@pytest.mark.parametrize(
+    ("item", "says"),
+    [
+        ("placement.cpu_slots=-1", "placement.cpu_slots must be >= 0"),
+        ("placement.adaptive_patience=0", "placement.adaptive_patience must be >= 1"),
+        ("placement.adaptive_margin=-0.1", "placement.adaptive_margin must be >= 0"),
+    ],
+)
+def test_placement_knobs_that_cannot_work_are_named(item: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        load_run_config(None, [item])
+    assert load_run_config(None, ["placement.adaptive=false"]).placement.adaptive is False

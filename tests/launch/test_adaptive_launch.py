@@ -14,6 +14,7 @@ from yatt.errors import ConfigError
 from yatt.placement.layouts import Roles, assign, cpu_cluster, slot_share
 
 GIB = 1 << 30
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "adaptive_judge.yaml"
 
 
 def roles(generators: int, rewards: int) -> Roles:
@@ -74,3 +75,24 @@ def test_placement_knobs_that_cannot_work_are_named(item: str, says: str) -> Non
     with pytest.raises(ConfigError, match=says):
         load_run_config(None, [item])
     assert load_run_config(None, ["placement.adaptive=false"]).placement.adaptive is False
+
+
+@pytest.mark.parametrize(
+    ("items", "replans"),
+    [
+        (["placement.layout=disaggregated"], True),
+        (["placement.layout=disaggregated", "placement.adaptive=false"], False),  # pinned
+        (["placement.layout=colocated"], True),  # no move to make; its decisions are logged
+        (["placement.layout=partial"], False),  # re-planned in the simulator only
+    ],
+)
+def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool, tmp_path: Path) -> None:
+    from launch.local import LocalLauncher
+
+    launcher = LocalLauncher(load_run_config(EXAMPLE, items), tmp_path, show_progress=False)
+    launcher.plan = launcher.make_plan()
+    adapter = launcher.make_adapter(ready_s=12.0)
+    assert (adapter is not None) == replans
+    if adapter is not None:
+        assert adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
+        assert adapter.replanner.switch.to_rollout_s == 12.0

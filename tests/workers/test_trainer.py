@@ -225,6 +225,19 @@ def resumed(rank: int, model_dir: str, out: str, ckpt: str) -> None:
         torch.save(results, out)
 
 
+def resharded(rank: int, model_dir: str, out: str, ckpt: str) -> None:
+    """One process loads the 2-rank step-5 checkpoint (DCP reshards) and takes step 5 on
+    the whole batch: what a trainer group restarted with another world size does."""
+    batch, results = make_batch(), Results()
+    trainer = make_trainer(model_dir, warmup_steps=2, schedule="cosine", total_steps=12, grad_clip=1.0)
+    trainer.load_checkpoint(ckpt)
+    results["loaded_step"] = trainer.step
+    both = [SPLITS_2[0][0] + SPLITS_2[1][0], SPLITS_2[0][1] + SPLITS_2[1][1]]  # the two ranks' rows
+    results["step"] = trainer.train_step(rank_batches(supervised(batch), both, 5, rank))
+    results["params"] = full_params(trainer)
+    torch.save(results, out)
+
+
 def several_updates(rank: int, model_dir: str, out: str) -> None:
     """2 ranks: mini-batches and epochs, batch-wide whitening, the rollout-log-prob mode."""
     batch, results = make_batch(), Results()
@@ -352,6 +365,12 @@ def resume(two: Results, tiny_model_dir: Path, work_dir: Path) -> Results:
 
 
 @pytest.fixture(scope="module")
+def reshard(two: Results, tiny_model_dir: Path, work_dir: Path) -> Results:
+    spawn(resharded, 1, str(tiny_model_dir), str(work_dir / "resharded.pt"), str(work_dir / "ckpt"))
+    return torch.load(work_dir / "resharded.pt", weights_only=False)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
 def several(tiny_model_dir: Path, work_dir: Path) -> Results:
     spawn(several_updates, 2, str(tiny_model_dir), str(work_dir / "several.pt"))
     return torch.load(work_dir / "several.pt", weights_only=False)  # type: ignore[no-any-return]
@@ -425,6 +444,21 @@ def test_resumed_checkpoint_takes_the_same_next_step(two: Results, resume: Resul
     for name, value in expected["params"].items():
         assert torch.equal(value, resume["params"][name]), name
     assert torch.equal(expected["rng"][0], resume["rng"][0]) and expected["rng"][1] == resume["rng"][1]
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank_with_the_same_next_step(two: Results, reshard: Results) -> None:
+    """DCP reshards the weights and the optimizer state: one rank takes the step two would
+    (equal up to float32 summation order: token sums all-reduced vs summed in one process)."""
+    assert reshard["loaded_step"] == 5
+    uninterrupted, step = two["steps"][5], reshard["step"]
+    for key in ("lr", "tokens", "step"):
+        assert step[key] == uninterrupted[key], key
+    for key in ("loss", "grad_norm"):
+        assert step[key] == pytest.approx(uninterrupted[key], rel=1e-5), key
+    expected = two["after_resume_step"]["params"]
+    assert expected.keys() == reshard["params"].keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(reshard["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def hf_logprobs(model_dir: Path, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -568,7 +568,7 @@ def live(result: Result, repeats: int) -> None:
                 evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
                 f[f"{tag}_accuracy_first"] = evals[0]["eval/reward/accuracy"]
                 f[f"{tag}_accuracy_last"] = evals[-1]["eval/reward/accuracy"]
-                out = audit(run_dir, seed, training_prompts(run_dir), job.wall_s, len(job.metrics) == len(steps))
+                out = audit(run_dir, seed, training_prompts(run_dir), job.wall_s, finished=True)  # run_yatt raises otherwise
                 f[f"{tag}_groups_lost"], f[f"{tag}_groups_duplicated"] = float(out.lost), float(out.duplicated)
                 decisions = ([json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
                              if (run_dir / "placement.jsonl").exists() else [])

@@ -17,8 +17,8 @@ when the plan changes, the launcher carries it out in place (``LocalLauncher``):
 
 The trainer ranks stay where they are (``keep_trainers``): a neighbour that moves them, or
 changes the layout, is not considered in a run (the cluster simulator considers them).
-The switch costs are this run's own: how long its generator and reward processes took
-from start to registration, and how long stopping one takes.
+The switch costs are this run's own: its start to READY (every role: an upper bound for
+one joining process) and about a second to stop one (``LocalLauncher.make_adapter``).
 """
 
 from __future__ import annotations

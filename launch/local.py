@@ -536,8 +536,9 @@ class LocalLauncher:
                     return code
                 if progress.update():
                     last_step = time.monotonic()
-                    for line in progress.lines:
-                        self._decisions.put_nowait(line)
+                    if self.adapter is not None:  # measured by _replan, beside this loop
+                        for line in progress.lines:
+                            self._decisions.put_nowait(line)
                 if self._next_plan is not None:
                     await self._apply_plan(*self._next_plan)
                     self._next_plan = None
@@ -620,13 +621,8 @@ class LocalLauncher:
         write_plan(plan, self.run_dir)
         for role, index in start:
             self.procs.append(self._spawn(role, index))
-        def names(pairs: list[tuple[str, int]]) -> str:
-            return ", ".join(f"{r}-{i}" for r, i in pairs) or "none"
-
-        print(
-            f"yatt: placement {reason}; stopped {names(stop)} ({time.monotonic() - began:.1f} s), started {names(start)}",
-            flush=True,
-        )
+        stopped, started = (", ".join(f"{r}-{i}" for r, i in pairs) or "none" for pairs in (stop, start))
+        print(f"yatt: placement {reason}; stopped {stopped} ({time.monotonic() - began:.1f} s), started {started}", flush=True)
 
     def outcome(self, directory: Directory) -> int | None:
         """The launcher's exit code once its work is done by another sign than trainer rank 0

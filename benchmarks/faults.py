@@ -346,8 +346,9 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     items = [*items, *opts.goodput_items]
     for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
         run_dir = tmp / name
-        wall, _ = _run(run_dir, items, plan, restart_all)
+        wall, landed = _run(run_dir, items, plan, restart_all)
         out = audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
+        f[f"kills_landed_{name}"] = float(landed)
         f[f"wall_s_{name}"] = wall
         f[f"goodput_{name}"] = f["wall_s_undisturbed"] / wall
         f[f"finished_{name}"] = float(out.finished)

@@ -401,9 +401,11 @@ class LocalLauncher:
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
         self.cfg = await asyncio.to_thread(with_builtin_scorer_models, self.cfg, self.run_dir)
         from workers.scorers import check_custom_scorers
-        from yatt.data import load_prompt_sets
+        from yatt.data import PROMPT_SETS_FILE, load_prompt_sets, write_prompt_sets
 
-        prompts, _ = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
+        sets = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
+        write_prompt_sets(self.run_dir / PROMPT_SETS_FILE, self.cfg.data, str(self.model_path), sets)  # the roles read them
+        prompts = sets[0]
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         await asyncio.to_thread(self._warm_start, prompts)
         if self.resume is not None:  # the steps after the checkpoint are trained again

@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launch.config import RunConfig, load_run_config
 from launch.placement import assignment_for, pin, read_plan
@@ -26,6 +27,9 @@ from yatt.actor import Actor
 from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
 from yatt.registry import Directory, Registration
 from yatt.transport import Transport
+
+if TYPE_CHECKING:
+    from yatt.data import Prompt
 
 logger = logging.getLogger("yatt.role")
 
@@ -71,11 +75,18 @@ async def _serve(actor: Actor, registry: str, stop: asyncio.Event, until: Callab
         await actor.close()
 
 
+def _prompt_sets(cfg: RunConfig, run_dir: Path, model_path: Path) -> tuple[list[Prompt], list[Prompt]]:
+    """The run's (training, held-out) prompts: those the launcher wrote to the run dir, else tokenised now."""
+    from yatt.data import PROMPT_SETS_FILE, load_prompt_sets, read_prompt_sets
+
+    sets = read_prompt_sets(run_dir / PROMPT_SETS_FILE, cfg.data, str(model_path))
+    return sets if sets is not None else load_prompt_sets(cfg.data, str(model_path))
+
+
 async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from yatt.buffer import Buffer
-    from yatt.data import load_prompt_sets
 
-    prompts, eval_prompts = load_prompt_sets(cfg.data, str(args.model_path))
+    prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
     actor = Buffer(
         transport,
         endpoint=f"tcp://{args.host}:*",
@@ -95,9 +106,8 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
 
 async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from yatt.controller import Controller, ControllerActor
-    from yatt.data import load_prompt_sets
 
-    prompts, eval_prompts = load_prompt_sets(cfg.data, str(args.model_path))
+    prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
     async with Directory(transport, args.registry, name=f"controller-{args.index}") as directory:
         controller = Controller(
             cfg.controller,

@@ -17,13 +17,14 @@ injects a workload shift for tests and benchmarks (``SlowDown``).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from protocols.messages import Message, Metrics, Query, ScoreRequest, Scores
 from workers.score_types import ScoreInput
@@ -73,6 +74,25 @@ class SlowDown:
         return False
 
 
+def load_decoder(tokenizer_path: str) -> Callable[[list[int]], str]:
+    """The text of token ids as the policy's tokenizer decodes them (special tokens skipped).
+    The ``tokenizers`` library on the directory's ``tokenizer.json``: what transformers' fast
+    tokenizer calls, without importing transformers (~5 s of a reward worker's start here);
+    transformers' ``AutoTokenizer`` where there is no ``tokenizer.json`` or its config asks
+    transformers to clean up spaces after decoding."""
+    path = Path(tokenizer_path)
+    settings = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    if (path / "tokenizer.json").is_file() and not settings.get("clean_up_tokenization_spaces", False):
+        from tokenizers import Tokenizer
+
+        fast = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return lambda ids: fast.decode(ids, skip_special_tokens=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
 class Reward(Actor):
     """Serves ScoreRequests with a ``RewardMix``."""
 
@@ -89,7 +109,7 @@ class Reward(Actor):
         slow: SlowDown | None = None,
     ) -> None:
         super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.decode = load_decoder(tokenizer_path)
         self.mix = RewardMix(config, tokenizer_path=tokenizer_path)
         self.score_s = 0.0
         self.samples = 0
@@ -149,8 +169,8 @@ class Reward(Actor):
         )
 
     def _decode(self, msg: ScoreRequest) -> tuple[str, list[str]]:
-        prompt = str(self.tokenizer.decode(msg.prompt_ids.tolist(), skip_special_tokens=True))
-        texts = [str(self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)) for ids in msg.completion_ids]
+        prompt = self.decode(msg.prompt_ids.tolist())
+        texts = [self.decode(ids.tolist()) for ids in msg.completion_ids]
         return prompt, texts
 
     @handles(Query)

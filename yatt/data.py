@@ -11,8 +11,10 @@ controller loads the same full list, deterministically::
                                                                                   v
                                                   Prompt(index, prompt_ids, text, metadata)
 
-Prompts are tokenised here and never again: the generator gets ``prompt_ids`` and the
-trainer trains on the same ids (token in, token out). ``text`` is kept for judges and logs.
+Prompts are tokenised here and never again: the launcher tokenises and checks them once
+and writes them to the run dir (``write_prompt_sets``), each role process reads them back;
+the generator gets ``prompt_ids`` and the trainer trains on the same ids (token in, token
+out). ``text`` is kept for judges and logs.
 transformers, datasets and reasoning_gym are imported inside the functions that need them,
 so importing yatt stays light (tests/yatt/test_imports.py).
 """
@@ -83,6 +85,38 @@ def load_prompt_sets(config: DataConfig, tokenizer_path: str) -> tuple[list[Prom
     if config.eval_split:
         return _split(config, prompts)
     return prompts, _load(config.eval_source(), tokenizer_path) if config.eval_path else []
+
+
+PROMPT_SETS_FILE = "prompts.msgpack"
+"""The run's tokenised prompt sets in its run dir, written by the launcher once it has read
+and checked them; each role process reads them instead of tokenising again (a cold start
+without transformers' tokenizer import: ~4 s less per buffer or controller start here)."""
+
+
+def write_prompt_sets(path: Path, config: DataConfig, tokenizer_path: str, sets: tuple[list[Prompt], list[Prompt]]) -> None:
+    """``sets`` (``load_prompt_sets(config, tokenizer_path)``) to ``path``, atomically, keyed
+    by what they were made from."""
+    import msgpack
+
+    rows = [[[p.index, p.prompt_ids, p.text, p.metadata] for p in prompts] for prompts in sets]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(msgpack.packb({"key": [repr(config), tokenizer_path], "sets": rows}))
+    tmp.replace(path)
+
+
+def read_prompt_sets(path: Path, config: DataConfig, tokenizer_path: str) -> tuple[list[Prompt], list[Prompt]] | None:
+    """The prompt sets ``write_prompt_sets`` wrote for this ``config`` and tokenizer; None when
+    there are none, or they were made from another."""
+    import msgpack
+
+    try:
+        saved = msgpack.unpackb(path.read_bytes())
+    except (OSError, ValueError, msgpack.UnpackException):
+        return None
+    if not isinstance(saved, dict) or saved.get("key") != [repr(config), tokenizer_path]:
+        return None
+    train, held = ([Prompt(index=i, prompt_ids=ids, text=text, metadata=meta) for i, ids, text, meta in rows] for rows in saved["sets"])
+    return train, held
 
 
 def _split(config: DataConfig, prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:

@@ -19,7 +19,15 @@ from transformers import AutoTokenizer
 from workers.models import build_tokenizer
 from yatt.config import DataConfig
 from yatt.configtools import build
-from yatt.data import Prompt, _json_safe, load_prompt_sets, load_prompts
+from yatt.data import (
+    PROMPT_SETS_FILE,
+    Prompt,
+    _json_safe,
+    load_prompt_sets,
+    load_prompts,
+    read_prompt_sets,
+    write_prompt_sets,
+)
 from yatt.errors import ConfigError
 from yatt.tasks import (
     TASKS,
@@ -93,6 +101,30 @@ def test_a_held_out_split_never_shares_a_prompt_with_training(tokenizer_dir: str
     assert len(load_prompt_sets(dataclasses.replace(config, eval_split=0.1), tokenizer_dir)[1]) == 10  # of ~100 distinct
     with pytest.raises(ConfigError, match="leave some to train on"):
         load_prompt_sets(dataclasses.replace(config, eval_split=500), tokenizer_dir)
+
+
+def test_the_launchers_prompt_sets_are_what_the_roles_read(tokenizer_dir: str, tmp_path: Path) -> None:
+    """The launcher writes the tokenised sets once; a role reads them back equal, and only
+    for the data config and tokenizer they were made from."""
+    from launch.config import load_run_config
+    from launch.role import _prompt_sets
+
+    config = DataConfig(num_prompts=50, seed=2, eval_split=5)
+    sets = load_prompt_sets(config, tokenizer_dir)
+    path = tmp_path / PROMPT_SETS_FILE
+    write_prompt_sets(path, config, tokenizer_dir, sets)
+    assert read_prompt_sets(path, config, tokenizer_dir) == sets
+    assert read_prompt_sets(path, dataclasses.replace(config, seed=3), tokenizer_dir) is None
+    assert read_prompt_sets(path, config, tokenizer_dir + "/") is None
+    assert read_prompt_sets(tmp_path / "missing", config, tokenizer_dir) is None
+    # A role takes the file's prompts as they are (it does not tokenise again)...
+    run = dataclasses.replace(load_run_config(None), data=config)
+    marked = ([dataclasses.replace(p, text="from the file") for p in sets[0]], sets[1])
+    write_prompt_sets(path, config, tokenizer_dir, marked)
+    assert _prompt_sets(run, tmp_path, Path(tokenizer_dir)) == marked
+    # ...and tokenises them itself without one.
+    path.unlink()
+    assert _prompt_sets(run, tmp_path, Path(tokenizer_dir)) == sets
 
 
 def test_eval_prompts_from_a_file_use_the_data_fields(tokenizer_dir: str, tmp_path: Path) -> None:

@@ -288,7 +288,8 @@ class TrainerRank:
         step = self.trainer.step
         loop = asyncio.get_running_loop()
         wait = [0.0]
-        staleness = torch.zeros(3, dtype=torch.float64)  # [sum of staleness, samples, tokens]
+        # [sum of staleness, samples, tokens], on the rank's device: NCCL reduces no CPU tensor
+        staleness = torch.zeros(3, dtype=torch.float64, device=self.trainer.device)
         count = self.cfg.micro_batches_per_step
         turns = self.layout in ("colocated", "partial")  # engines and training share slots
 
@@ -302,7 +303,7 @@ class TrainerRank:
             real = mb.loss_mask.any(dim=1)
             staleness.add_(torch.tensor(
                 [float((step - mb.policy_versions[real]).sum()), float(real.sum()), float(mb.loss_mask.sum())],
-                dtype=torch.float64,
+                dtype=torch.float64, device=staleness.device,
             ))
             return mb
 

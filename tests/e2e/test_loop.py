@@ -178,6 +178,21 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
         assert all(r["time/switch_s"] > 0 for r in rows)
 
 
+@pytest.mark.gpu
+def test_the_default_job_trains_on_a_gpu(tmp_path: Path) -> None:
+    """The default job on one GPU (one trainer rank hosting the generator engine): every
+    collective of a step on the device NCCL reduces, the weights pushed to the engine, the
+    trainer's and the engine's device memory shared by turns."""
+    run_dir = tmp_path / "gpu"
+    finish(launch(run_dir, "trainer.world_size=1", "run.steps=6", "run.eval_every=0"), run_dir, timeout=600)
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["buffer/policy_version"] for r in rows[:-1]] == list(range(1, 6))  # pushed to the engine
+    plan = json.loads((run_dir / "plan.json").read_text())
+    trainer = [a for a in plan["assignments"] if a["role"] == "trainer"]
+    assert plan["layout"] == "colocated" and [a["slots"] for a in trainer] == [[0]], plan  # GPU 0
+
+
 def assert_exactly_once(run_dir: Path, steps: int) -> None:
     """No group was committed or trained twice, every step trained, and no prompt of the
     epoch's order before the last trained one is missing."""

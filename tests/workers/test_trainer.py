@@ -103,12 +103,12 @@ def spawn(fn: Callable[..., None], world_size: int, *args: object) -> None:
 
 def make_trainer(
     model_dir: str, algorithm: AlgorithmConfig | None = None, *, temperature: float = 1.0,
-    lora: LoRAConfig | None = None, **trainer: Any,
+    lora: LoRAConfig | None = None, dtype: str = "float32", **trainer: Any,
 ) -> Trainer:
     config = TrainerConfig(**{"lr": 1e-3, "grad_clip": 0.0, **trainer})
     algorithm = algorithm or AlgorithmConfig()
     # float32: the math is checked exactly; bf16 agreement is tests/workers/test_generator.py's
-    model = ModelConfig(dtype="float32", lora=lora or LoRAConfig())
+    model = ModelConfig(dtype=dtype, lora=lora or LoRAConfig())  # type: ignore[arg-type]
     return Trainer(model, config, algorithm, model_path=model_dir, temperature=temperature)
 
 
@@ -295,7 +295,7 @@ def several_updates(rank: int, model_dir: str, out: str) -> None:
 def on_gpu(rank: int, model_dir: str, out: str, export: str) -> None:
     """NCCL and bf16 mixed precision (dtype auto on CUDA): train, export, buckets."""
     batch, results = make_batch(), Results()
-    trainer = make_trainer(model_dir, AlgorithmConfig(kl_coef=0.05), lr=3e-3, grad_clip=1.0)
+    trainer = make_trainer(model_dir, AlgorithmConfig(kl_coef=0.05), dtype="auto", lr=3e-3, grad_clip=1.0)
     nll, steps = [batch_nll(trainer, batch)], []
     for step in range(5):
         steps.append(

@@ -115,3 +115,14 @@ def test_transport_quick_measures_every_pattern(tmp_path: Path) -> None:
         figures["rpc_round_trips_per_s_yatt_1_in_flight"] / figures["rpc_round_trips_per_s_raw_zmq_1_in_flight"]
     )
     assert data["env"]["cpus"] and data["env"]["torch"]
+
+
+def test_soak_growth_compares_the_medians_of_the_first_and_last_tenths() -> None:
+    """20 samples: the first two (the first tenth) 100 and 104 MiB, the last two 110 and
+    250 (one sample in a step's peak): growth from median 102 to median 180; fds first/last."""
+    from benchmarks.faults import Usage
+
+    rss = [100.0, 104.0, *[105.0] * 16, 110.0, 250.0]
+    usage = Usage.of([(r, 30 + (i == 19)) for i, r in enumerate(rss)])
+    assert usage.rss_mb == (102.0, 180.0) and usage.fds == (30, 31)
+    assert abs(usage.rss_growth - (180 / 102 - 1)) < 1e-12

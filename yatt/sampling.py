@@ -240,6 +240,12 @@ class SamplingBuffer:
         if epoch not in self._orders:
             self._orders[epoch] = epoch_order(self.num_prompts, self.seed, epoch)
             self._positions[epoch] = {idx: p for p, idx in enumerate(self._orders[epoch])}
+            # Epochs before the cursor's previous one are done with (a late duplicate from one
+            # computes its order again): kept, they grew the buffer by ~90 KB per epoch of
+            # 812 prompts, 65 MB over a 2,000-step run that filters most groups.
+            done = self.cursor // self.num_prompts - 1
+            for old in [e for e in self._orders if e < done and e != epoch]:
+                del self._orders[old], self._positions[old]
         return self._orders[epoch]
 
     def key_at(self, g: int) -> GroupKey:

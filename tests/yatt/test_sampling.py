@@ -110,6 +110,19 @@ def test_duplicates_and_superseded_arrivals_are_dropped(tmp_path: Path) -> None:
     assert buf.stats.duplicates == 1 and buf.stats.superseded == 1
 
 
+def test_a_long_run_keeps_the_orders_of_few_epochs_and_still_knows_old_keys(tmp_path: Path) -> None:
+    """12 prompts, 4 groups a step: 30 steps go through 10+ epochs; the buffer keeps the
+    orders of the last ones only, and a late copy of a first-epoch group is still a duplicate."""
+    buf = make_buffer(tmp_path)
+    first = buf.plan(0)[0]
+    buf.offer(make_group(first, 0))
+    drive(buf, 30, None)
+    assert buf.cursor // N_PROMPTS >= 10
+    assert len(buf._orders) <= 3 and len(buf._positions) <= 3, sorted(buf._orders)
+    assert buf.offer(make_group(first, 0)) == "duplicate"
+    assert buf.stats.duplicates == 1
+
+
 def test_on_policy_closes_the_window_and_supersedes_extras(tmp_path: Path) -> None:
     buf = make_buffer(tmp_path, micro_batches_per_step=1, filter="none")
     keys = [k for s in (0, 1) for k in buf.plan(s)]

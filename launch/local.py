@@ -388,7 +388,8 @@ class LocalLauncher:
 
     async def _check(self) -> None:
         """What can be checked before any process starts: the run dir, the model, the data
-        (read and tokenised as the roles will), the placement."""
+        (read and tokenised here once; the roles read these prompts back from
+        ``<run_dir>/prompts.msgpack``), the placement."""
         check_run_dir(self.run_dir, self.resume)
         if failpoint := os.environ.get(trace.FAILPOINT_ENV):
             trace.parse_failpoint(failpoint)
@@ -404,7 +405,9 @@ class LocalLauncher:
         from yatt.data import PROMPT_SETS_FILE, load_prompt_sets, write_prompt_sets
 
         sets = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
-        write_prompt_sets(self.run_dir / PROMPT_SETS_FILE, self.cfg.data, str(self.model_path), sets)  # the roles read them
+        await asyncio.to_thread(
+            write_prompt_sets, self.run_dir / PROMPT_SETS_FILE, self.cfg.data, str(self.model_path), sets
+        )  # the roles read them
         prompts = sets[0]
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         await asyncio.to_thread(self._warm_start, prompts)

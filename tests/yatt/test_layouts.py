@@ -50,3 +50,9 @@ def test_a_gpu_rank_gets_one_gpu() -> None:
         assign("disaggregated", gpus, Roles(trainers=3, generators=1, rewards=1, controllers=1, tensor_parallel=2))
     with pytest.raises(LayoutError, match="tensor_parallel 1"):
         assign("colocated", gpus, Roles(trainers=2, generators=1, rewards=1, controllers=1, tensor_parallel=2))
+    # NCCL runs no two ranks on one GPU (a CPU slot can be shared: gloo)
+    one = gpu_cluster([80 * GIB], list(range(16)))
+    with pytest.raises(LayoutError, match=r"2 trainer ranks need 2 GPUs.*set trainer.world_size=1"):
+        assign("colocated", one, ROLES)
+    with pytest.raises(LayoutError, match=r"5 trainer ranks need 5 GPUs.*set trainer.world_size=4"):
+        assign("partial", gpus, Roles(trainers=5, generators=1, rewards=1, controllers=1))

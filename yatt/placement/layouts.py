@@ -96,11 +96,18 @@ def _movers(roles: Roles, *, with_rewards: bool) -> list[Assignment]:
 
 def _trainers(cluster: ClusterSpec, slots: list[int], roles: Roles, *, shared: bool, hosts: bool) -> list[Assignment]:
     """Trainer ranks spread over ``slots``: rank r on its run of slots (several ranks on one
-    slot when there are more ranks than slots). A GPU rank computes on one GPU: with fewer
-    ranks than GPUs the ranks take the first ones and the rest stay idle."""
+    CPU slot when there are more ranks than slots). A GPU rank computes on one GPU: with
+    fewer ranks than GPUs the ranks take the first ones and the rest stay idle; more ranks
+    than GPUs is a ``LayoutError``."""
     out = []
     n = roles.trainers
-    if cluster.slots[slots[0]].kind == "gpu" and n < len(slots):
+    gpu = cluster.slots[slots[0]].kind == "gpu"
+    if gpu and n > len(slots):  # NCCL refuses two ranks on one device ("Duplicate GPU detected")
+        raise LayoutError(
+            f"{n} trainer ranks need {n} GPUs, one each (NCCL runs no two ranks on one GPU), and "
+            f"{len(slots)} {'is' if len(slots) == 1 else 'are'} here: set trainer.world_size={len(slots)}"
+        )
+    if gpu and n < len(slots):
         slots = slots[:n]
     if n <= len(slots):
         for r, run in enumerate(_split(slots, n)):

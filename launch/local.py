@@ -34,6 +34,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -217,14 +218,18 @@ def role_threads(cfg: RunConfig, role: str, index: int = 0, plan: Plan | None = 
 
 
 def finish_line(run_dir: Path) -> str:
-    """What a run that ended well says last: its steps, the held-out accuracy of its first and
-    last evaluation (``eval/reward/accuracy`` in eval.jsonl, if it evaluated) and its model."""
+    """What a run that ended well says last: its steps, its training reward (mean of the first
+    and the last 10 steps, with 20 or more), the held-out accuracy of its first and last
+    evaluation (``eval/reward/accuracy`` in eval.jsonl, if it evaluated) and its model."""
     def lines(name: str) -> list[dict[str, float]]:
         path = run_dir / name
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
     steps = lines("metrics.jsonl")
     said = f"done: {int(steps[-1]['step']) + 1 if steps else 0} steps trained"
+    rewards = [r["reward/mean"] for r in steps if "reward/mean" in r]
+    if len(rewards) >= 20:  # what GRPO optimises, over the first and the last 10 steps
+        said += f"; training reward {statistics.mean(rewards[:10]):.2f} -> {statistics.mean(rewards[-10:]):.2f}"
     evals = [e for e in lines("eval.jsonl") if "eval/reward/accuracy" in e]
     if evals:
         first, last = evals[0], evals[-1]

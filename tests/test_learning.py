@@ -1,0 +1,53 @@
+"""The definition of "the default job learned" (``tests/learning.py``) and the launcher's
+last line, on hand-made runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch.local import finish_line
+from tests.learning import assert_default_job_learned
+
+
+def fake_run(run_dir: Path, rewards: list[float], accuracy: tuple[float, float]) -> list[dict[str, float]]:
+    rows = [{"step": float(i), "reward/mean": r} for i, r in enumerate(rewards)]
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "final").mkdir()
+    (run_dir / "model" / "warm_start.json").write_text("{}")
+    (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [(0, accuracy[0]), (20, (accuracy[0] + accuracy[1]) / 2), (40, accuracy[1])]
+    (run_dir / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": s, "eval/digits/accuracy": a, "eval/reward/accuracy": a}) + "\n" for s, a in evals)
+    )
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("rewards", "accuracy", "learned"),
+    [
+        ([0.65] * 20 + [0.72] * 20, (0.30, 0.30), True),  # the training reward rose 0.07
+        ([0.65] * 40, (0.15, 0.40), True),  # the held-out accuracy rose 0.25
+        ([0.65] * 20 + [0.67] * 20, (0.30, 0.35), False),  # neither beyond its noise
+    ],
+)
+def test_learned_means_held_out_accuracy_or_training_reward_rose(
+    tmp_path: Path, rewards: list[float], accuracy: tuple[float, float], learned: bool
+) -> None:
+    rows = fake_run(tmp_path / "run", rewards, accuracy)
+    if learned:
+        assert_default_job_learned(rows, tmp_path / "run")
+    else:
+        with pytest.raises(AssertionError, match="training reward from 0.650 to 0.670"):
+            assert_default_job_learned(rows, tmp_path / "run")
+
+
+def test_the_last_line_says_the_training_reward_and_the_held_out_accuracy(tmp_path: Path) -> None:
+    fake_run(tmp_path / "run", [0.6] * 10 + [0.7] * 20 + [0.8] * 10, (0.15, 0.40))
+    assert finish_line(tmp_path / "run") == (
+        "done: 40 steps trained; training reward 0.60 -> 0.80; held-out greedy accuracy "
+        f"(eval/reward/accuracy, eval.jsonl) 0.15 at step 0 -> 0.40 at step 40; model in {tmp_path / 'run' / 'final'}"
+    )

@@ -35,7 +35,8 @@ def assert_default_job_learned(rows: list[dict[str, float]], run_dir: Path) -> N
     assert [int(e["step"]) for e in evals] == [0, 20, 40]
     start, end = evals[0][ACCURACY], evals[-1][ACCURACY]
     first, last = (statistics.mean(r["reward/mean"] for r in part) for part in (rows[:10], rows[-10:]))
-    assert end >= start + 0.1 or last >= first + TRAINING_RISE, (
+    # accuracies are float32 multiples of 1/20: 0.4000000059604645 - 0.30000001192092896 < 0.1
+    assert round(end - start, 6) >= 0.1 or last >= first + TRAINING_RISE, (
         f"held-out accuracy went from {start:.2f} to {end:.2f} ({[e[ACCURACY] for e in evals]}) and the "
         f"training reward from {first:.3f} to {last:.3f} (first and last 10 steps)"
     )

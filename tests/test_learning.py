@@ -31,6 +31,7 @@ def fake_run(run_dir: Path, rewards: list[float], accuracy: tuple[float, float])
     [
         ([0.65] * 20 + [0.72] * 20, (0.30, 0.30), True),  # the training reward rose 0.07
         ([0.65] * 40, (0.15, 0.40), True),  # the held-out accuracy rose 0.25
+        ([0.65] * 40, (0.30000001192092896, 0.4000000059604645), True),  # 0.1 in float32 (2 prompts)
         ([0.65] * 20 + [0.67] * 20, (0.30, 0.35), False),  # neither beyond its noise
     ],
 )

@@ -16,7 +16,9 @@ restarting everything.
   steps, startup included). Three runs of ``steps`` steps: no failure; a role killed every
   ``every`` steps (cycling through controller, generator, reward, buffer, trainer rank);
   the restart-everything baseline (the whole job killed at the same steps and resumed with
-  ``--resume``, the recovery verl and NeMo-RL have).
+  ``--resume``, the recovery verl and NeMo-RL have). Per failure of the role-restart run,
+  the seconds it cost (``failure_cost``: the wall time of the steps around it, from the
+  metrics' timestamps, over as many median steps).
 
 - Checkpoint cost (asked for: ``--set 'parts=[checkpoint]'``): the step time of a job
   (``checkpoint_model``, SmolLM2-135M by default) with a checkpoint every step, written
@@ -38,6 +40,7 @@ Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_ev
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import statistics
@@ -372,7 +375,13 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
         f[f"groups_lost_{name}"] = float(out.lost)
         f[f"groups_duplicated_{name}"] = float(out.duplicated)
         if out.finished:
-            f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in read_metrics(run_dir / "metrics.jsonl")[1:])
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in rows[1:])
+            if name == "role_restart":
+                unix = [row["time/unix"] for row in rows]
+                for after, role, index, _ in kills:
+                    back = opts.checkpoint_every if role == "trainer" else 0
+                    f[f"s_lost_{role}_{index}_after_{after}"] = failure_cost(unix, after, back)
     if kills:  # what one failure costs: wall time over the undisturbed run's, per failure
         f["s_per_failure_role_restart"] = (f["wall_s_role_restart"] - f["wall_s_undisturbed"]) / len(kills)
         f["s_per_failure_restart_all"] = (f["wall_s_restart_all"] - f["wall_s_undisturbed"]) / len(kills)
@@ -383,6 +392,17 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
         + ", ".join(f"{role}-{i}" for role, i in ROTATION)
         + "; restart_all kills the whole job at the same steps and resumes it with --resume"
     )
+
+
+def failure_cost(unix: list[float], after: int, back: int = 0, span: int = 3) -> float:
+    """Seconds a failure landing after step ``after`` (that many lines in metrics.jsonl)
+    cost: the wall time from the end of step ``after - back - 1`` to the end of step
+    ``after + span - 1`` (``time/unix``) over what as many median steps take. ``span``:
+    the steps its recovery can stall; ``back``: the steps a trainer group's restart can
+    roll back and train again (the checkpoint interval)."""
+    median = statistics.median(b - a for a, b in itertools.pairwise(unix))
+    lo, hi = max(0, after - back - 1), min(len(unix) - 1, after + span - 1)
+    return (unix[hi] - unix[lo]) - (hi - lo) * median
 
 
 def _checkpoint_cost(tmp: Path, opts: Options, items: list[str], result: Result, quick: bool) -> None:

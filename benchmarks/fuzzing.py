@@ -12,7 +12,7 @@ run's keys may ask an actor to stop; that is not a fault).
 
 from __future__ import annotations
 
-import contextlib
+import json
 import random
 import subprocess
 import time
@@ -78,14 +78,11 @@ def role_ports(run_dir: Path) -> dict[str, list[int]]:
 
 def launcher_ports(launcher_pid: int, run_dir: Path) -> list[int]:
     """The launcher's ZeroMQ ports (the registry's requests and its membership feed): every
-    port it listens on but the trainer ranks' torch.distributed store (not ZeroMQ)."""
+    port it listens on but the trainer ranks' torch.distributed store (not ZeroMQ; its port
+    is in ``<run_dir>/launcher.json``)."""
     import psutil
 
-    store = set()
-    for name, pid in role_processes(run_dir).items():
-        if name.startswith("trainer-"):
-            with contextlib.suppress(psutil.Error, ValueError):
-                store.add(int(psutil.Process(pid).environ().get("MASTER_PORT", "0")))
+    store = {int(json.loads((run_dir / "launcher.json").read_text())["store_port"])}
     conns = psutil.Process(launcher_pid).net_connections("tcp")
     return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN} - store)
 

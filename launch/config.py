@@ -53,6 +53,11 @@ class RunSettings:
     """How long the launcher waits for every role to report READY."""
     restart_limit: int = 5
     """Restarts of one role process (of the trainer group as a whole) before the run fails."""
+    fork_roles: bool = True
+    """Fork the role processes that run on CPUs from one process that has imported torch and
+    transformers once (launch/forkserver.py): a restarted role or trainer group skips those
+    seconds. Off: every role starts from its command line, as roles on GPUs and SLURM steps
+    always do."""
     authenticate: bool = True
     """Authenticate and encrypt every socket of the run with CURVE keys the launcher makes in
     <run_dir>/keys (readable by this user only), loopback included: a process without them

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from launch.adaptive import Adapter, keep_places, moved
 from launch.config import RunConfig, dump_run_config
+from launch.forkserver import ForkServer, RoleProcess
 from launch.placement import describe, make_plan, write_plan
 from launch.plan import BUILTIN_TINY, this_machine
 from protocols.messages import Ack, Query
@@ -80,7 +81,7 @@ class Proc:
 
     role: str
     index: int
-    popen: subprocess.Popen[bytes]
+    popen: RoleProcess
     log: Path
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -272,6 +273,8 @@ class LocalLauncher:
         """Re-plans from each step's measured times (placement.adaptive); None: the plan stays."""
         self._decisions: asyncio.Queue[dict[str, float]] = asyncio.Queue()
         self._next_plan: tuple[Plan, str] | None = None
+        self.fork_server = ForkServer() if cfg.run.fork_roles else None
+        """Where the roles on CPUs are forked from, warm (None: every role starts from its command line)."""
 
     def make_plan(self) -> Plan | None:
         """Where each role runs on this machine (written to the run dir; roles read it back)."""
@@ -319,8 +322,13 @@ class LocalLauncher:
         return f"tcp://{self.host}:*", f"tcp://{self.host}:*"
 
     def rendezvous_port(self) -> int:
-        """The port of the trainer ranks' torch.distributed store, a fresh one per group."""
-        return self.host_store(0)
+        """The port of the trainer ranks' torch.distributed store, a fresh one per group,
+        written to ``<run_dir>/launcher.json`` with the registry's endpoint (a forked role's
+        environment cannot be read from outside: launch/forkserver.py)."""
+        port = self.host_store(0)
+        record = {"pid": os.getpid(), "registry": self.registry_endpoint, "store_port": port}
+        (self.run_dir / "launcher.json").write_text(json.dumps(record) + "\n")
+        return port
 
     def host_store(self, port: int) -> int:
         """Host the trainer ranks' torch.distributed store in this process, listening on
@@ -348,6 +356,8 @@ class LocalLauncher:
                 flush=True,
             )
             return 0
+        if self.fork_server is not None:  # its imports run beside the checks and the warm start
+            self.fork_server.start()
         try:
             await self._check()
         except ConfigError as e:
@@ -454,8 +464,12 @@ class LocalLauncher:
         cmd, env = self.role_command(role, index), self.role_env(role, index)
         if role == "buffer" and restarts:  # a restart carries on from the ledger, it does not rewind
             cmd = _without_option(cmd, "--resume")
-        with log.open("ab") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        popen: RoleProcess
+        if self.fork_server is not None and not self._gpus_of(role, index):
+            popen = self.fork_server.fork(cmd, env, log)
+        else:
+            with log.open("ab") as out:
+                popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts)
 
     def role_command(self, role: str, index: int) -> list[str]:
@@ -727,7 +741,7 @@ def _without_option(cmd: list[str], option: str) -> list[str]:
     return cmd[:i] + cmd[i + 2 :]
 
 
-def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal_group(popen: RoleProcess, sig: signal.Signals) -> None:
     """Signal the process and everything it started (vLLM's engine core, scorer pools)."""
     try:
         os.killpg(popen.pid, sig)

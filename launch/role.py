@@ -38,16 +38,24 @@ ROLES = ("buffer", "controller", "generator", "reward", "trainer")
 
 def die_with_launcher() -> None:
     """A role started by ``launch run`` dies with its launcher, even a SIGKILLed one (the
-    OOM killer): the kernel sends SIGKILL when the parent goes (PR_SET_PDEATHSIG). If the
-    launcher is already gone, exit now."""
+    OOM killer): the kernel sends SIGKILL when the parent goes (PR_SET_PDEATHSIG). The
+    parent is the launcher, or the fork server the launcher started (``launch.forkserver``),
+    which exits when the launcher goes. If the launcher is already gone, exit now."""
     launcher = os.environ.get("YATT_LAUNCHER_PID")
     if not launcher or not sys.platform.startswith("linux"):
         return  # started another way (SLURM steps end with their job)
     import ctypes
 
+    import psutil
+
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != int(launcher):
+    parent = os.getppid()
+    try:
+        grandparent = psutil.Process(parent).ppid()
+    except psutil.Error:
+        grandparent = None
+    if int(launcher) not in (parent, grandparent):
         sys.exit(f"launch.role: the launcher (pid {launcher}) is gone; exiting")
 
 

@@ -415,6 +415,7 @@ class SlurmLauncher(LocalLauncher):
         resume: Path | None = None,
     ) -> None:
         super().__init__(cfg, run_dir, resume=resume, show_progress=False)
+        self.fork_server = None  # each role is an srun step on its node
         self.placement = placement
         self.nodes = nodes
         self.addresses = addresses

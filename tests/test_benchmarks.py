@@ -126,3 +126,19 @@ def test_soak_growth_compares_the_medians_of_the_first_and_last_tenths() -> None
     usage = Usage.of([(r, 30 + (i == 19)) for i, r in enumerate(rss)])
     assert usage.rss_mb == (102.0, 180.0) and usage.fds == (30, 31)
     assert abs(usage.rss_growth - (180 / 102 - 1)) < 1e-12
+
+
+def test_a_failures_cost_is_the_wall_time_of_the_steps_around_it_over_the_median() -> None:
+    """Steps end every second (time/unix), but a failure after step 4 makes step 4 end 2.5 s
+    late and step 5 0.5 s later still: 3 s lost, counted from the end of step 3 to the end
+    of step 6. A trainer group killed after step 9 rolls back to its checkpoint after step 7
+    (the metrics too): the step 7 that stays ends 5 s after step 6, the two steps trained
+    twice and the restart, 4 s over, seen only when the window reaches back 2 steps."""
+    from benchmarks.faults import failure_cost
+
+    ends = [0.0, 1.0, 2.0, 3.0, 6.5, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0]
+    assert failure_cost(ends, 4) == 3.0
+    assert failure_cost(ends, 9) == 0.0
+    rolled_back = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    assert failure_cost(rolled_back, 9, back=2) == 4.0
+    assert failure_cost(rolled_back, 9) == 0.0

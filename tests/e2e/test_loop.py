@@ -232,6 +232,10 @@ def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Pa
     # Disaggregated: the buffer dies. Partial: it hangs (SIGSTOP); the launcher kills it.
     os.kill(role_pid(run_dir, "buffer", 0, proc), signal.SIGKILL if layout == "disaggregated" else signal.SIGSTOP)
     assert len(metrics(run_dir)) < 20, "the buffer was killed after the run was done"
+    import psutil
+
+    restarted = [psutil.Process(role_pid(run_dir, role, 0, proc)) for role in ("controller", "generator", "reward")]
+    assert all(p.ppid() != proc.pid and p.parent().ppid() == proc.pid for p in restarted), "not forked warm"
     finish(proc, run_dir)
     assert len(metrics(run_dir)) == 20
     assert_exactly_once(run_dir, 20)
@@ -277,6 +281,8 @@ def test_killed_colocated_rank_restarts_the_trainer_group_losing_nothing(tmp_pat
 @pytest.mark.parametrize("layout", ["colocated", "partial", "disaggregated"])
 def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
     overrides = ("run.steps=8", "trainer.checkpoint_every=4", f"placement.layout={layout}", "trainer.keep_checkpoints=1")
+    if layout == "colocated":  # roles started from their command lines, not forked: they too die with the launcher
+        overrides += ("run.fork_roles=false",)
     if layout == "disaggregated":
         overrides += ("trainer.checkpoint_hf=true",)
     reference = tmp_path / "reference"

@@ -1,0 +1,156 @@
+"""Role processes forked from a warm template process (a fork server), not started cold.
+
+A role process started as ``python -m launch.role`` spends its first seconds importing
+torch and transformers (3-4 s on an idle core of this machine, more while the run keeps
+both cores busy), and that import is most of what a restarted generator, buffer or
+controller costs the run. The local launcher starts one fork server (the standard
+library's ``multiprocessing`` "forkserver", its modules preloaded) beside its own start,
+and forks those roles from it: the child sets itself up as its command line would have (a
+session of its own, its log as stdout and stderr, its environment and thread count, the
+command line as its process title for ``ps``) and runs ``launch.role`` as ``__main__`` on
+the same arguments. A fork takes milliseconds; the imports are paid once per run. One
+difference shows: ``/proc/PID/environ`` of a forked role is the server's (the kernel
+keeps a process's first environment there), ``os.environ`` inside it is its own; the
+trainer ranks' rendezvous port is in ``<run_dir>/launcher.json``.
+
+Only roles on CPUs are forked. The server never sees a GPU (it starts with
+``CUDA_VISIBLE_DEVICES`` empty, so nothing it imports can start CUDA); a role with GPU
+slots is started from its command line, its devices visible from the start.
+``run.fork_roles=false`` starts every role that way; SLURM roles are ``srun`` steps on
+their own nodes and never forked.
+
+What dies with what: the server exits when its launcher goes (it reads EOF from the
+launcher's end of a pipe, even after a SIGKILL), and each forked role asks the kernel to
+kill it when the server goes (``launch.role.die_with_launcher``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import multiprocessing
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+PRELOAD = (
+    "torch", "transformers", "workers.engines.hf", "workers.reward", "workers.trainer_rank", "yatt.buffer",
+    "yatt.controller", "launch.role",
+)  # fmt: skip
+"""What the server imports once: the modules whose import takes a forked role's time."""
+
+
+class RoleProcess(Protocol):
+    """What the launcher uses of a role process: ``subprocess.Popen`` or a ``ForkedRole``."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> Any: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class ForkedRole:
+    """A role process forked from the server, with ``subprocess.Popen``'s ``pid``,
+    ``poll``, ``wait`` and ``returncode`` (negative: the signal that killed it)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        assert process.pid is not None
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            import subprocess
+
+            raise subprocess.TimeoutExpired(f"forked role {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+
+class ForkServer:
+    """Forks role processes from one server process that has imported ``preload``."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(list(preload))
+
+    def start(self) -> None:
+        """Start the server now; it imports ``preload`` in the background (the first fork
+        waits for that). The server sees no GPU."""
+        from multiprocessing import forkserver
+
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+    def fork(self, cmd: Sequence[str], env: dict[str, str], log: Path) -> ForkedRole:
+        """A process running ``cmd`` (``python -m MODULE ARGS``: ``launch.role`` for a role)
+        as if started from it, with ``env`` and its output appended to ``log``."""
+        if len(cmd) < 3 or cmd[1] != "-m":
+            raise ValueError(f"the fork server runs `python -m MODULE ...` command lines, not {shlex.join(cmd)}")
+        self.start()
+        process = self._context.Process(target=run_role, args=(list(cmd), dict(env), str(log)), name=" ".join(cmd[3:4]))
+        process.start()
+        return ForkedRole(process)
+
+
+def run_role(cmd: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: become the process ``cmd`` would have started, then run its
+    module as ``__main__`` (its ``sys.exit`` code is the process's exit code)."""
+    os.setsid()  # signalled as a group, as start_new_session=True does
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        # multiprocessing hands each child the launcher's end of the server's "alive" pipe;
+        # held here it would keep the server, and so this role, alive after a SIGKILLed launcher
+        os.close(server._forkserver_alive_fd)  # type: ignore[union-attr]
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)  # what PYTHONUNBUFFERED gives a started process
+    from setproctitle import setproctitle
+
+    setproctitle(shlex.join(cmd))  # before the environment changes: it takes over argv's and environ's memory
+    os.environ.clear()
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None and (threads := env.get("OMP_NUM_THREADS")):  # OpenMP read it in the server, at torch's load
+        torch.set_num_threads(int(threads))
+    import runpy
+
+    sys.argv = [cmd[2], *cmd[3:]]  # runpy puts the module's path first, as python -m does
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # python -m looks in the current directory first
+    try:
+        runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()  # a forked child ends with os._exit: flush what a started one would

@@ -246,15 +246,14 @@ class Controller:
         last: Exception | None = None
         for _ in range(self.config.max_attempts):
             try:
-                if not self.directory.members(role):
-                    await self.directory.wait_until(lambda d: bool(d.members(role)), timeout=self.config.request_timeout_s)
+                await self.directory.wait_for_live(role, timeout=self.config.request_timeout_s)
                 client = self.directory.pick(role)
                 return await client.request(msg, expect, timeout=deadline)
             except (PeerLost, RequestTimeout, TransportError) as e:
                 last = e
                 self.reissued += 1
                 logger.warning("controller %d: %s request failed (%s); re-issuing", self.shard, role, e)
-                await asyncio.sleep(self.directory.transport.config.heartbeat_interval_s)
+                await self.directory.pause_before_retry(e)
             except RemoteError as e:
                 last = e
                 logger.warning("controller %d: %s raised %s; re-issuing", self.shard, role, e.error_type)

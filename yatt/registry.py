@@ -373,17 +373,26 @@ class Directory:
         deadline = time.monotonic() + within
         while True:
             try:
-                if not any(self._clients[w.actor_id].alive for w in self.members(role)):
-                    await self.wait_until(
-                        lambda d: any(d._clients[w.actor_id].alive for w in d.members(role)),
-                        timeout=max(0.0, deadline - time.monotonic()),
-                    )
+                await self.wait_for_live(role, timeout=max(0.0, deadline - time.monotonic()))
                 return await self.pick(role).request(msg, expect, timeout=timeout)
             except (PeerLost, RequestTimeout, TransportError) as e:
                 if time.monotonic() >= deadline:
                     raise
                 logger.warning("%s: %s request to the %s failed (%s); sending it again", self.name, type(msg).__name__, role, e)
-                await asyncio.sleep(self.transport.config.heartbeat_interval_s)
+                await self.pause_before_retry(e)
+
+    async def wait_for_live(self, role: str, timeout: float) -> None:
+        """Until some member of ``role`` is live (at once if one is); ``RequestTimeout`` after ``timeout``."""
+        if not any(self._clients[w.actor_id].alive for w in self.members(role)):
+            await self.wait_until(lambda d: any(d._clients[w.actor_id].alive for w in d.members(role)), timeout=timeout)
+
+    async def pause_before_retry(self, error: Exception) -> None:
+        """Before a failed request is sent again: nothing when its member is gone (``PeerLost``:
+        it left the directory or went silent, so the next try picks a live one or waits for
+        one, a restarted one included); a heartbeat interval after a timeout or a transport
+        error, which could repeat at once."""
+        if not isinstance(error, PeerLost):
+            await asyncio.sleep(self.transport.config.heartbeat_interval_s)
 
     async def close(self) -> None:
         """Stop listening and close every member's client and the registry's."""

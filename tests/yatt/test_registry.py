@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from protocols.messages import Ack, Membership, Message, Query, Register, WorkerInfo
-from tests.yatt.conftest import FAST_BEATS, Until, start_again
+from tests.yatt.conftest import FAST_BEATS, Until, _checked, start_again
 from yatt.actor import Actor, Client, handles
 from yatt.errors import PeerLost, RemoteError, TransportError
 from yatt.registry import Directory, Registration, Registry
-from yatt.transport import Transport
+from yatt.transport import Transport, TransportConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOCAL = "tcp://127.0.0.1:*"
@@ -205,6 +205,37 @@ async def test_a_process_seen_to_exit_is_dropped_at_once(
             with pytest.raises(PeerLost, match="left the directory"):
                 await asyncio.wait_for(call, 10)  # alive and beating: only the drop fails it
             assert await registry.drop_process(4242) == []
+
+
+@pytest.fixture
+async def slow_transport() -> AsyncIterator[Transport]:
+    """Heartbeats every 30 s."""
+    async for t in _checked(Transport(TransportConfig(heartbeat_interval_s=30.0))):
+        yield t
+
+
+async def test_a_request_whose_member_left_goes_to_a_live_one_without_backing_off(
+    slow_transport: Transport, until: Until
+) -> None:
+    """The member a request went to is dropped (the launcher saw its process exit) while a
+    second one, started since (a restart), is live: the request goes to the second at once.
+    Backing off a heartbeat interval, which is for timeouts and transport errors, would take
+    30 s here, past the 10 s the test gives it."""
+    transport = slow_transport
+    async with Registry(transport, endpoint=LOCAL, publish_endpoint=LOCAL) as registry:
+        dead, restarted = Member(transport, "gen-a"), Member(transport, "gen-b")
+        restarted.gate.set()
+        async with dead, restarted, Directory(transport, registry.endpoint) as directory:
+            async with Registration(transport, registry.endpoint, dead.info(pid="4242")):
+                await directory.wait_until(lambda d: len(d.members()) == 1, timeout=10)
+                call = asyncio.ensure_future(directory.request("generator", Query(what="block"), Ack, timeout=60, within=60))
+                await until(lambda: dead.blocked == 1, what="request in flight on gen-a")
+                async with Registration(transport, registry.endpoint, restarted.info(pid="7")):
+                    await directory.wait_until(lambda d: len(d.members()) == 2, timeout=10)
+                    await registry.drop_process(4242)
+                    reply = await asyncio.wait_for(call, 10)
+                    assert reply.info == {"who": "gen-b"}
+                    dead.gate.set()
 
 
 async def test_forged_members_are_refused_or_left_out(fast_transport: Transport, registry: Registry) -> None:

@@ -19,9 +19,9 @@ slots is started from its command line, its devices visible from the start.
 ``run.fork_roles=false`` starts every role that way; SLURM roles are ``srun`` steps on
 their own nodes and never forked.
 
-What dies with what: the server exits when its launcher goes (it reads EOF from the
-launcher's end of a pipe, even after a SIGKILL), and each forked role asks the kernel to
-kill it when the server goes (``launch.role.die_with_launcher``).
+What dies with what: the kernel kills the server the moment its launcher goes, even
+after a SIGKILL (``launch/forkserver_init.py``), and each forked role when the server goes
+(``launch.role.die_with_launcher``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 PRELOAD = (
-    "torch", "transformers", "workers.engines.hf", "workers.reward", "workers.trainer_rank", "yatt.buffer",
+    "launch.forkserver_init", "torch", "transformers", "workers.engines.hf", "workers.reward", "workers.trainer_rank", "yatt.buffer",
     "yatt.controller", "launch.role",
 )  # fmt: skip
 """What the server imports once: the modules whose import takes a forked role's time."""
@@ -91,18 +91,23 @@ class ForkServer:
 
     def start(self) -> None:
         """Start the server now; it imports ``preload`` in the background (the first fork
-        waits for that). The server sees no GPU."""
+        waits for that). The server sees no GPU, and dies with this process (its thread
+        that calls this: the launcher's main thread)."""
         from multiprocessing import forkserver
 
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        from launch.forkserver_init import MARK
+
+        marks = {"CUDA_VISIBLE_DEVICES": "", MARK: str(os.getpid())}  # no GPU; dies with this process
+        saved = {name: os.environ.get(name) for name in marks}
+        os.environ.update(marks)
         try:
             forkserver.ensure_running()
         finally:
-            if saved is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
     def fork(self, cmd: Sequence[str], env: dict[str, str], log: Path) -> ForkedRole:
         """A process running ``cmd`` (``python -m MODULE ARGS``: ``launch.role`` for a role)

@@ -37,8 +37,12 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     assert [d["step"] for d in decisions] == list(range(40)), "a decision after every step"
     changes = [d for d in decisions if d["placement/changed"]]
     assert len(changes) == 1 and "1 slots generate -> reward" in changes[0]["reason"], [d["reason"] for d in decisions]
-    # Before the judge turned slow the plan was kept; the change waited for the hysteresis.
-    assert decisions[0]["reason"].startswith("keep disaggregated")
+    # The change came after the judge turned slow, and waited for the hysteresis (a first
+    # step's noisy measure may start a streak: the forked roles' READY, the switch cost
+    # charged for an engine that joins, is short, so a small predicted gain pays for it).
+    rows = metrics(run_dir)
+    slow_since = float((run_dir / "failpoints" / "slow_reward").read_text())
+    assert rows[int(changes[0]["step"])]["time/unix"] > slow_since, "the plan changed before the judge turned slow"
     held = decisions[changes[0]["step"] - 2 : changes[0]["step"]]
     assert [d["placement/streak"] for d in held] == [1.0, 2.0]
     # Carried out in place: generator-1 stopped, reward-1 started on its slot, the run went on.
@@ -50,7 +54,6 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     after = [d for d in decisions if d["step"] > changes[0]["step"] + 2]
     assert any(d["measured/reward_busy_workers"] == 2 for d in after), "the second judge never scored"
     assert "re-planning after step" not in said, said[-3000:]
-    rows = metrics(run_dir)
     assert_default_job_learned(rows, run_dir)
     # The ledger against the prompt order (two epochs): no group lost, none trained twice.
     out = audit(run_dir, load_run_config(EXAMPLE).run.seed, training_prompts(run_dir), 0.0, True)

@@ -72,7 +72,8 @@ LAUNCHER = """
 import os, sys, time
 from pathlib import Path
 from launch.forkserver import ForkServer
-server = ForkServer(preload=["torch"])
+os.environ["PROBE_SERVER_EXIT"] = sys.argv[3]
+server = ForkServer(preload=["launch.forkserver_init", "torch", "tests.launch.forked_probe"])
 out, log = sys.argv[1], Path(sys.argv[2])
 env = {**os.environ, "YATT_LAUNCHER_PID": str(os.getpid())}
 server.fork([sys.executable, "-m", "tests.launch.forked_probe", out, "-1"], env, log)
@@ -81,9 +82,12 @@ time.sleep(600)
 
 
 def test_forked_roles_and_the_server_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
-    out, log = tmp_path / "probe.json", tmp_path / "probe.log"
+    """At once: the kernel kills the server with its launcher, so the server does not live
+    through its interpreter's shutdown (seconds with torch loaded, here 5 s in an atexit
+    handler) and its roles with it."""
+    out, log, shutdown = tmp_path / "probe.json", tmp_path / "probe.log", tmp_path / "server_shut_down"
     root = Path(__file__).parents[2]
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(out), str(log)], cwd=root)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(out), str(log), str(shutdown)], cwd=root)
     try:
         seen = wait_for_file(out)
         role, server = psutil.Process(int(str(seen["pid"]))), psutil.Process(int(str(seen["ppid"])))
@@ -93,3 +97,4 @@ def test_forked_roles_and_the_server_die_with_a_sigkilled_launcher(tmp_path: Pat
         launcher.wait()
     gone, alive = psutil.wait_procs([role, server], timeout=30)
     assert not alive, f"still running after their launcher was SIGKILLed: {[p.cmdline()[:4] for p in alive]}"
+    assert not shutdown.exists(), "the server shut down in its own time instead of dying with its launcher"

@@ -1,0 +1,23 @@
+"""Imported first by the fork server (``launch/forkserver.py``), before its slow imports:
+the server dies the moment its launcher does (``PR_SET_PDEATHSIG``: the kernel sends
+SIGKILL), so the roles forked from it die at once with it, not after the server's own
+interpreter shutdown (seconds with torch loaded, in which trainer ranks kept training).
+
+Importing it anywhere else does nothing: it acts only in the process that
+``ForkServer.start`` marked with ``YATT_FORK_SERVER_OF=<launcher pid>`` whose parent
+that launcher is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+MARK = "YATT_FORK_SERVER_OF"
+
+if sys.platform.startswith("linux") and os.environ.pop(MARK, None) == str(os.getppid()):
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before the line above
+        os._exit(1)

@@ -379,9 +379,13 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
             f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in rows[1:])
             if name == "role_restart":
                 unix = [row["time/unix"] for row in rows]
+                lost = 0.0
                 for after, role, index, _ in kills:
                     back = opts.checkpoint_every if role == "trainer" else 0
-                    f[f"s_lost_{role}_{index}_after_{after}"] = failure_cost(unix, after, back)
+                    lost += (cost := failure_cost(unix, after, back))
+                    f[f"s_lost_{role}_{index}_after_{after}"] = cost
+                # The same figure from this run's own timestamps: not swayed by a noisy undisturbed run.
+                f["goodput_role_restart_from_costs"] = 1 - lost / wall
     if kills:  # what one failure costs: wall time over the undisturbed run's, per failure
         f["s_per_failure_role_restart"] = (f["wall_s_role_restart"] - f["wall_s_undisturbed"]) / len(kills)
         f["s_per_failure_restart_all"] = (f["wall_s_restart_all"] - f["wall_s_undisturbed"]) / len(kills)

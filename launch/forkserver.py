@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import json
 import multiprocessing
 import os
 import shlex
@@ -41,6 +42,22 @@ PRELOAD = (
     "yatt.controller", "launch.role",
 )  # fmt: skip
 """What the server imports once: the modules whose import takes a forked role's time."""
+
+
+def model_modules(model_path: str) -> list[str]:
+    """The transformers module that defines the run's model (``model.path``; the built-in
+    models are Llamas), which transformers imports only when a model of its type first
+    loads: 0.25 s in every trainer rank and generator a server without it forks here."""
+    model_type = "llama"
+    if model_path and not model_path.startswith("builtin:"):
+        try:
+            model_type = str(json.loads((Path(model_path) / "config.json").read_text())["model_type"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []  # not a local model directory: the checks before the start say so
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    return [f"transformers.models.{module}.modeling_{module}"]
 
 
 class RoleProcess(Protocol):
@@ -86,8 +103,9 @@ class ForkServer:
     """Forks role processes from one server process that has imported ``preload``."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+        self.preload = list(preload)
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(list(preload))
+        self._context.set_forkserver_preload(self.preload)
 
     def start(self) -> None:
         """Start the server now; it imports ``preload`` in the background (the first fork
@@ -114,7 +132,7 @@ class ForkServer:
         as if started from it, with ``env`` and its output appended to ``log``."""
         if len(cmd) < 3 or cmd[1] != "-m":
             raise ValueError(f"the fork server runs `python -m MODULE ...` command lines, not {shlex.join(cmd)}")
-        self.start()
+        self.start()  # each time: a server that died starts again here, marked, not unmarked in Process.start
         process = self._context.Process(target=run_role, args=(list(cmd), dict(env), str(log)), name=" ".join(cmd[3:4]))
         process.start()
         return ForkedRole(process)

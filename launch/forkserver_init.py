@@ -10,14 +10,11 @@ that launcher is."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
+
+from yatt.lifetime import die_with_parent
 
 MARK = "YATT_FORK_SERVER_OF"
 
-if sys.platform.startswith("linux") and os.environ.pop(MARK, None) == str(os.getppid()):
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the launcher died before the line above
-        os._exit(1)
+if sys.platform.startswith("linux") and (launcher := os.environ.pop(MARK, None)) == str(os.getppid()):
+    die_with_parent(int(launcher))

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from launch.adaptive import Adapter, keep_places, moved
 from launch.config import RunConfig, dump_run_config
-from launch.forkserver import ForkServer, RoleProcess
+from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
 from launch.placement import describe, make_plan, write_plan
 from launch.plan import BUILTIN_TINY, this_machine
 from protocols.messages import Ack, Query
@@ -273,7 +273,7 @@ class LocalLauncher:
         """Re-plans from each step's measured times (placement.adaptive); None: the plan stays."""
         self._decisions: asyncio.Queue[dict[str, float]] = asyncio.Queue()
         self._next_plan: tuple[Plan, str] | None = None
-        self.fork_server = ForkServer() if cfg.run.fork_roles else None
+        self.fork_server = ForkServer([*PRELOAD, *model_modules(cfg.model.path)]) if cfg.run.fork_roles else None
         """Where the roles on CPUs are forked from, warm (None: every role starts from its command line)."""
 
     def make_plan(self) -> Plan | None:

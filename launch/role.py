@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -25,10 +26,12 @@ from launch.placement import assignment_for, pin, read_plan
 from yatt import trace
 from yatt.actor import Actor
 from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
+from yatt.lifetime import die_with_parent
 from yatt.registry import Directory, Registration
 from yatt.transport import Transport
 
 if TYPE_CHECKING:
+    from workers.scorers import RewardMix
     from yatt.data import Prompt
 
 logger = logging.getLogger("yatt.role")
@@ -44,12 +47,9 @@ def die_with_launcher() -> None:
     launcher = os.environ.get("YATT_LAUNCHER_PID")
     if not launcher or not sys.platform.startswith("linux"):
         return  # started another way (SLURM steps end with their job)
-    import ctypes
-
     import psutil
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    die_with_parent(None)
     parent = os.getppid()
     try:
         grandparent = psutil.Process(parent).ppid()
@@ -143,11 +143,13 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
     await _serve(actor, args.registry, stop)
 
 
-async def _reward(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+async def _reward(
+    cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event, *, mix: RewardMix | None = None
+) -> None:
     from workers.reward import Reward, SlowDown
 
     actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path),
-                   slow=SlowDown.from_env(Path(args.run_dir)))
+                   slow=SlowDown.from_env(Path(args.run_dir)), mix=mix)
     await _serve(actor, args.registry, stop)
 
 
@@ -206,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = load_run_config(args.run_dir / "config.yaml")
     pin(assignment_for(read_plan(args.run_dir), args.role, args.index))  # before any model loads
+    role_main = _MAINS[args.role]
+    if args.role == "reward":
+        from workers.scorers import RewardMix
+
+        # Before any thread starts (tracing's sampler, ZeroMQ's, the event loop's): its
+        # scorer pool is forked while this process runs one thread, not spawned.
+        mix = RewardMix(cfg.reward, tokenizer_path=str(args.model_path))
+        role_main = functools.partial(_reward, mix=mix)
     args.host = args.host or cfg.run.host
     if cfg.run.trace:
         trace.configure(args.run_dir / "trace" / f"{args.role}-{args.index}.jsonl")
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = asyncio.Event()
         _stop_on_signals(stop)
         async with Transport(cfg.transport) as transport:
-            await _MAINS[args.role](cfg, args, transport, stop)
+            await role_main(cfg, args, transport, stop)
 
     try:
         asyncio.run(run())

@@ -107,10 +107,13 @@ class Reward(Actor):
         tokenizer_path: str,
         actor_id: str | None = None,
         slow: SlowDown | None = None,
+        mix: RewardMix | None = None,
     ) -> None:
+        """``mix``: the scorers, made already (``launch.role`` makes them before its first
+        thread starts, so that the pool forks); made here from ``config`` by default."""
         super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
         self.decode = load_decoder(tokenizer_path)
-        self.mix = RewardMix(config, tokenizer_path=tokenizer_path)
+        self.mix = mix if mix is not None else RewardMix(config, tokenizer_path=tokenizer_path)
         self.score_s = 0.0
         self.samples = 0
         self.failures = 0

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import ctypes
+import contextlib
 import functools
 import importlib
 import inspect
@@ -47,7 +47,6 @@ import multiprocessing
 import numbers
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -61,6 +60,7 @@ from workers.score_types import Outcome, ScoreInput, ScoreResult
 from yatt import trace
 from yatt.config import RewardConfig, ScorerConfig
 from yatt.errors import ActorFailed, Closed, ConfigError
+from yatt.lifetime import die_with_parent
 
 FAILURE_WINDOW = 64
 """The samples per scorer that reward.max_failure_share is judged over."""
@@ -314,20 +314,13 @@ def check_custom_scorers(config: RewardConfig, fields: set[str]) -> None:
                 )
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this pool process when the reward worker dies, even by
-    SIGKILL; an idle pool process would otherwise wait on its queue forever."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl ran
-        os._exit(1)
+def _init_process(rules: tuple[Rule, ...], barrier: Barrier, forked: bool, parent: int) -> None:
+    die_with_parent(parent)  # an idle pool process would wait on its queue forever
+    if forked:  # it has its reward worker's command line, which tools (ps, the benchmarks) take for the worker
+        with contextlib.suppress(ImportError):
+            from setproctitle import setproctitle
 
-
-def _init_process(rules: tuple[Rule, ...], barrier: Barrier) -> None:
-    _die_with_parent()
+            setproctitle(f"yatt scorer process of pid {os.getppid()}")
     for rule in rules:
         rule.prepare()
     # Every process of the pool is up and has imported everything before any call runs.
@@ -364,11 +357,23 @@ class ScorerPool:
         self._isolated = asyncio.Lock()  # held by a call re-run alone after a crash
 
     def _start(self) -> concurrent.futures.ProcessPoolExecutor:
-        """A new pool with every process started and warm (blocks until then)."""
-        context = multiprocessing.get_context("spawn")
+        """A new pool with every process started and warm (blocks until then).
+
+        Forked while no Python thread but this one runs (~20 ms here, the rules' modules
+        imported once, before the fork), else spawned (~1.8 s: a fresh interpreter imports
+        them): a fork copies only the calling thread, and a lock another thread held stays
+        held in the child for good. ``launch.role`` makes a reward worker's mix before its
+        ZeroMQ context, event loop and tracing start threads. The native thread pools that
+        numpy's and torch's imports start are fork-safe (they re-arm in the child).
+        """
+        method = "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
+        if method == "fork":
+            for rule in self._rules:
+                rule.prepare()
+        context = multiprocessing.get_context(method)
         barrier = context.Barrier(self._processes)
         executor = concurrent.futures.ProcessPoolExecutor(
-            self._processes, mp_context=context, initializer=_init_process, initargs=(self._rules, barrier)
+            self._processes, mp_context=context, initializer=_init_process, initargs=(self._rules, barrier, method == "fork", os.getpid())
         )
         # No process is idle before all have passed the barrier, so each submit spawns one.
         probes = [executor.submit(time.monotonic) for _ in range(self._processes)]

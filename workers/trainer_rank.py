@@ -175,17 +175,20 @@ class TrainerRank:
         the rank hosts a generator, its engine with the current weights: a collective)."""
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        trainer = Trainer(
-            cfg.model,
-            cfg.trainer,
-            cfg.algorithm,
-            model_path=str(model_path),
-            run_steps=cfg.steps,
-            temperature=cfg.temperature,
-        )
+        with trace.span("join_group"):
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        with trace.span("build_trainer"):
+            trainer = Trainer(
+                cfg.model,
+                cfg.trainer,
+                cfg.algorithm,
+                model_path=str(model_path),
+                run_steps=cfg.steps,
+                temperature=cfg.temperature,
+            )
         if resume is not None:
-            trainer.load_checkpoint(resume / "trainer")
+            with trace.span("load_checkpoint"):
+                trainer.load_checkpoint(resume / "trainer")
         engine: Engine | None = None
         if hosts_generator:
             if cfg.generator.backend == "vllm":
@@ -453,6 +456,9 @@ class TrainerRank:
         """Save step ``version``: the trainer state is copied now (collective) and, with
         ``trainer.checkpoint_async``, written while training goes on; the buffer records its
         ledger mark now, for the same step. The checkpoint counts (``done``) once written."""
+        # The previous one first: saving waits for its write anyway, and a checkpoint every
+        # step would otherwise never be marked (its write outlasts a step).
+        await self._mark_written(wait=True)
         directory = self.run_dir / "checkpoints" / f"step_{version}"
         background = self.cfg.trainer.checkpoint_async and version < self.cfg.steps
         writing = await asyncio.to_thread(self.trainer.save_checkpoint, directory / "trainer", background=background)

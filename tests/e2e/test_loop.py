@@ -236,6 +236,8 @@ def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Pa
 
     restarted = [psutil.Process(role_pid(run_dir, role, 0, proc)) for role in ("controller", "generator", "reward")]
     assert all(p.ppid() != proc.pid and p.parent().ppid() == proc.pid for p in restarted), "not forked warm"
+    pool = restarted[2].children()  # the reward worker's scorer processes: forked, no interpreter started
+    assert pool and all(p.cmdline()[0].startswith("yatt scorer process") for p in pool), [p.cmdline() for p in pool]
     finish(proc, run_dir)
     assert len(metrics(run_dir)) == 20
     assert_exactly_once(run_dir, 20)
@@ -311,6 +313,8 @@ def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
 
 
 def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
+    """Resumed with more steps. Then with a checkpoint every step, each written in the
+    background while the next step trains: each counts (``done``), two are kept."""
     run_dir = tmp_path / "extended"
     finish(launch(run_dir, "run.steps=3", "placement.layout=disaggregated"), run_dir)
     finish(launch(run_dir, "run.steps=5", "placement.layout=disaggregated", resume=run_dir), run_dir)
@@ -319,6 +323,10 @@ def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
     again = launch(run_dir, "run.steps=5", "placement.layout=disaggregated", resume=run_dir)  # resuming a finished run says so
     finish(again, run_dir)
     assert "is done: its last checkpoint is step 5" in (run_dir.parent / "extended.launcher.log").read_text()
+    every = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=2")
+    finish(launch(run_dir, "run.steps=8", "placement.layout=disaggregated", *every, resume=run_dir), run_dir)
+    assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_7", "step_8"]
+    assert all((run_dir / "checkpoints" / name / "done").exists() for name in ("step_7", "step_8"))
 
 
 def evals(path: Path) -> list[dict[str, float]]:

@@ -33,7 +33,7 @@ if __name__ == "__main__":
     print("probe started", flush=True)
     out.write_text(json.dumps({
         "argv": sys.argv, "pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(),
-        "env": os.environ.get("PROBE"), "threads": torch.get_num_threads(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "env": os.environ.get("PROBE"), "threads": torch.get_num_threads(),
     }))  # fmt: skip
     if code >= 0:
         sys.exit(code)

@@ -98,3 +98,23 @@ def test_forked_roles_and_the_server_die_with_a_sigkilled_launcher(tmp_path: Pat
     gone, alive = psutil.wait_procs([role, server], timeout=30)
     assert not alive, f"still running after their launcher was SIGKILLed: {[p.cmdline()[:4] for p in alive]}"
     assert not shutdown.exists(), "the server shut down in its own time instead of dying with its launcher"
+
+
+def test_the_server_preloads_the_module_that_defines_the_runs_model(tmp_path: Path) -> None:
+    """transformers imports a model type's module on the first load of such a model: in
+    every forked trainer rank and generator unless the server imported it."""
+    import importlib
+
+    from launch.config import load_run_config
+    from launch.forkserver import model_modules
+    from launch.local import LocalLauncher
+
+    launcher = LocalLauncher(load_run_config(None), tmp_path / "run")
+    assert launcher.fork_server is not None
+    assert "transformers.models.llama.modeling_llama" in launcher.fork_server.preload  # the default: a tiny Llama
+    (tmp_path / "qwen").mkdir()
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert model_modules(str(tmp_path / "qwen")) == ["transformers.models.qwen2.modeling_qwen2"]
+    assert model_modules(str(tmp_path / "missing")) == []
+    for module in model_modules("") + model_modules(str(tmp_path / "qwen")):
+        importlib.import_module(module)

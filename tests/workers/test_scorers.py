@@ -439,12 +439,16 @@ def test_judge_template_with_unknown_field_is_rejected(judge_dir: Path) -> None:
         RewardMix(RewardConfig(scorers=[config]))
 
 
-def test_pool_processes_die_with_a_killed_reward_worker(tmp_path: Path) -> None:
-    """A reward worker SIGKILLed (no cleanup runs) must not leave its pool behind."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pool_processes_die_with_a_killed_reward_worker(tmp_path: Path, threads: int) -> None:
+    """A reward worker SIGKILLed (no cleanup runs) must not leave its pool behind. Its pool
+    is forked while it runs one thread (no interpreter start), spawned when it runs more."""
     script = (
-        "import time\n"
+        "import threading, time\n"
         "from workers.scorers import RewardMix\n"
         "from yatt.config import RewardConfig, ScorerConfig\n"
+        f"for _ in range({threads} - 1):\n"
+        "    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
         "mix = RewardMix(RewardConfig(scorers=[ScorerConfig(kind='exact_match')], processes=2))\n"
         "print(' '.join(str(p) for p in mix._pool._executor._processes), flush=True)\n"
         "time.sleep(600)\n"
@@ -453,6 +457,8 @@ def test_pool_processes_die_with_a_killed_reward_worker(tmp_path: Path) -> None:
     assert proc.stdout is not None
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2
+    spawned = ["spawn_main" in Path(f"/proc/{p}/cmdline").read_text() for p in pids]
+    assert spawned == [threads > 1] * 2, spawned
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 30

@@ -269,6 +269,11 @@ class SamplingBuffer:
         records anything about it.
         """
         validate_group(group, self.config.group_size)
+        return self._decide(group)
+
+    def _decide(self, group: ScoredGroup) -> str:
+        """``offer`` of a valid group (replay: the ledger holds only groups validated when
+        offered, and checking them again was a quarter of a replay's time)."""
         key = group.group_key
         g = self.position(key)
         if g < self.cursor or g in self.decided:
@@ -487,7 +492,13 @@ class SamplingBuffer:
                     self.rewound()
                     continue
                 assert e.payload is not None
-                decision = self.offer(unpack(e.payload))
+                group = unpack(e.payload)
+                if len(group.completion_ids) != self.config.group_size:
+                    raise ConfigError(
+                        f"ledger {ledger.path}: group {e.key.as_str()} has {len(group.completion_ids)} samples and "
+                        f"buffer.group_size is {self.config.group_size}; it must not change across a restart"
+                    )
+                decision = self._decide(group)
                 if decision.split(":")[0] != e.status:
                     raise ConfigError(
                         f"ledger {ledger.path}: group {e.key.as_str()} was {e.status}, and is {decision!r} now; "

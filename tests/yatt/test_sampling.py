@@ -235,10 +235,11 @@ def test_rewind_goes_back_to_the_mark_and_rolls_back_newer_groups(tmp_path: Path
     assert again.version_ceiling is None  # the new trainer published version 4
 
 
-def test_replay_refuses_a_changed_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("change", [{"filter": "none"}, {"group_size": 4}])
+def test_replay_refuses_a_changed_config(tmp_path: Path, change: dict[str, object]) -> None:
     drive(make_buffer(tmp_path, "run.db"), 2, None)
     with pytest.raises(ConfigError, match="must not change across a restart"):
-        make_buffer(tmp_path, "run.db", filter="none").replay()
+        make_buffer(tmp_path, "run.db", **change).replay()
 
 
 def test_bad_shapes_are_config_errors(tmp_path: Path) -> None:

@@ -9,11 +9,12 @@ is tested on hand-written strings and the judge end to end for plumbing only).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from transformers import (
 
 from workers.model_scorers import Judge, parse_verdict
 from workers.models import build_tiny_model, build_tokenizer
-from workers.score_types import ScoreInput
+from workers.score_types import Outcome, ScoreInput
 from workers.scorers import (
     Custom,
     ExactMatch,
@@ -36,6 +37,7 @@ from workers.scorers import (
     MathVerify,
     ReasoningGym,
     RewardMix,
+    _ThreadedModel,
     check_custom_scorers,
     final_answer,
 )
@@ -472,3 +474,64 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (OSError, IndexError):
         return "zombie"
+
+
+class _CountingModel:
+    """A model scorer that scores a sample by its completion's length and records the size
+    of every call (the batching is under test, not a model)."""
+
+    def __init__(self, fail_on: str = "") -> None:
+        self.calls: list[int] = []
+        self.fail_on = fail_on
+
+    def __call__(self, batch: Sequence[ScoreInput]) -> list[Outcome]:
+        self.calls.append(len(batch))
+        time.sleep(0.05)  # long enough for the other batches to arrive and wait
+        if any(s.completion == self.fail_on for s in batch):
+            raise ValueError("a sample this model cannot score")
+        return [Outcome(float(len(s.completion))) for s in batch]
+
+    def close(self) -> None:
+        pass
+
+
+def _batches(completions: list[str], size: int = 4) -> list[list[ScoreInput]]:
+    return [[ScoreInput(prompt="p", completion=c, metadata={}, finish_reason="stop")] * size for c in completions]
+
+
+async def _score_while_the_first_runs(scorer: _ThreadedModel, batches: list[list[ScoreInput]]) -> list[list[Outcome]]:
+    first = asyncio.ensure_future(scorer.score(batches[0], 10.0))
+    await asyncio.sleep(0.01)  # its call has started
+    rest = await asyncio.gather(*(scorer.score(b, 10.0) for b in batches[1:]))
+    return [await first, *rest]
+
+
+@pytest.mark.parametrize(("max_batch", "calls"), [(64, [4, 20]), (8, [4, 8, 8, 4])])
+async def test_batches_waiting_for_a_model_scorer_go_into_one_call(max_batch: int, calls: list[int]) -> None:
+    model = _CountingModel()
+    scorer = _ThreadedModel(model, max_batch)
+    batches = _batches(["x" * (i + 1) for i in range(6)])
+    results = await _score_while_the_first_runs(scorer, batches)
+    assert [[o.score for o in r] for r in results] == [[float(i + 1)] * 4 for i in range(6)]  # each its own
+    assert model.calls == calls  # the first alone; those that arrived meanwhile together, max_batch at most
+
+
+async def test_a_merged_model_call_that_raises_fails_only_the_batch_it_fails_on() -> None:
+    model = _CountingModel(fail_on="bad")
+    scorer = _ThreadedModel(model, 64)
+    results = await _score_while_the_first_runs(scorer, _batches(["a", "bb", "bad", "cccc"]))
+    assert [o.score for o in results[1]] == [2.0] * 4 and [o.score for o in results[3]] == [4.0] * 4
+    assert all(o.failure == "ValueError: a sample this model cannot score" for o in results[2])
+    assert model.calls == [4, 12, 4, 4, 4]  # the merged call failed: each of its batches again alone
+
+
+async def test_a_batch_that_waited_past_its_limit_is_not_scored() -> None:
+    model = _CountingModel()
+    scorer = _ThreadedModel(model, 64)
+    first = asyncio.ensure_future(scorer.score(_batches(["a"])[0], 10.0))
+    await asyncio.sleep(0.01)  # its call has started
+    late = await scorer.score(_batches(["b"])[0], 0.01)  # times out waiting for the first call
+    assert all(o.failure == "timed out after 0.01s (whole batch)" for o in late)
+    await first
+    await asyncio.sleep(0.1)
+    assert model.calls == [4]  # skipped, not run for a caller that gave up

@@ -516,6 +516,7 @@ class _ThreadedModel:
         try:
             outcomes = await asyncio.wait_for(asyncio.shield(waiting.result), timeout_s)
         except asyncio.TimeoutError:
+            waiting.result.cancel()  # skipped if it still waits; its outcomes dropped if its call runs
             return [Outcome(0.0, f"timed out after {timeout_s}s (whole batch)")] * len(batch)
         except Exception as e:  # a failed forward fails this batch only, recorded
             return [Outcome(0.0, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))] * len(batch)

@@ -10,11 +10,10 @@ that launcher is."""
 from __future__ import annotations
 
 import os
-import sys
 
 from yatt.lifetime import die_with_parent
 
 MARK = "YATT_FORK_SERVER_OF"
 
-if sys.platform.startswith("linux") and (launcher := os.environ.pop(MARK, None)) == str(os.getppid()):
-    die_with_parent(int(launcher))
+if (launcher := os.environ.pop(MARK, None)) == str(os.getppid()):
+    die_with_parent(int(launcher))  # (nothing where the kernel cannot: not Linux)

@@ -529,8 +529,10 @@ class _ThreadedModel:
         run again batch by batch, so that only the batch it fails on fails."""
         try:
             while self._waiting:
-                take: list[_Waiting] = []
-                while self._waiting and (not take or sum(len(w.batch) for w in take) + len(self._waiting[0].batch) <= self._max_batch):
+                take = [self._waiting.popleft()]
+                samples = len(take[0].batch)
+                while self._waiting and samples + len(self._waiting[0].batch) <= self._max_batch:
+                    samples += len(self._waiting[0].batch)
                     take.append(self._waiting.popleft())
                 now = time.monotonic()
                 live = [w for w in take if w.deadline > now and not w.result.done()]

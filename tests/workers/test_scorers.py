@@ -27,6 +27,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
+from tests.processes import assert_gone
 from workers.model_scorers import Judge, parse_verdict
 from workers.models import build_tiny_model, build_tokenizer
 from workers.score_types import Outcome, ScoreInput
@@ -463,17 +464,7 @@ def test_pool_processes_die_with_a_killed_reward_worker(tmp_path: Path, threads:
     assert spawned == [threads > 1] * 2, spawned
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids):
-        assert time.monotonic() < deadline, f"pool processes {pids} outlived their reward worker"
-        time.sleep(0.1)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
-    except (OSError, IndexError):
-        return "zombie"
+    assert_gone(pids, "pool processes outlived their reward worker")
 
 
 class _CountingModel:

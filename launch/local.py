@@ -602,6 +602,9 @@ class LocalLauncher:
                         )
                     group_restarts += 1
                     print(f"yatt: {p.name} exited with code {code}; its log ({p.log}):\n{log_tail(p.log, 10)}", file=sys.stderr, flush=True)
+                    for q in self.procs:  # the rank that died first may come later in the list
+                        if q is not p and q.role == "trainer" and (other := q.popen.poll()) is not None:
+                            print(f"yatt: {q.name} exited with code {other} too", file=sys.stderr, flush=True)
                     await self._restart_trainers(directory)
                     progress.rewind(checkpoint_step(self.trainer_resume) if self.trainer_resume else 0)
                     last_step = time.monotonic()

@@ -63,12 +63,12 @@ def trained_keys(run_dir: Path) -> dict[int, list[str]]:
         ledger.close()
 
 
-def wait_for(predicate: object, timeout: float) -> None:
+def wait_for(predicate: object, timeout: float, every: float = 0.5) -> None:
     assert callable(predicate)
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.5)
+        time.sleep(every)
 
 
 def role_pid(run_dir: Path, role: str, index: int, launcher: subprocess.Popen[bytes]) -> int:
@@ -222,22 +222,32 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
 def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "kills"
     proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}")
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, 600)
-    os.kill(role_pid(run_dir, "controller", 0, proc), signal.SIGKILL)
-    wait_for(lambda: len(metrics(run_dir)) >= 8, 600)
-    os.kill(role_pid(run_dir, "generator", 0, proc), signal.SIGKILL)
-    wait_for(lambda: len(metrics(run_dir)) >= 10, 600)
-    os.kill(role_pid(run_dir, "reward", 0, proc), signal.SIGKILL)
-    wait_for(lambda: len(metrics(run_dir)) >= 12, 600)
+    killed: dict[str, int] = {}
+    for role, after in (("controller", 3), ("generator", 8), ("reward", 10)):
+        wait_for(lambda n=after: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= n, 600, every=0.1)
+        killed[role] = role_pid(run_dir, role, 0, proc)
+        os.kill(killed[role], signal.SIGKILL)
+    wait_for(lambda: len(metrics(run_dir)) >= 12, 600, every=0.1)
     # Disaggregated: the buffer dies. Partial: it hangs (SIGSTOP); the launcher kills it.
     os.kill(role_pid(run_dir, "buffer", 0, proc), signal.SIGKILL if layout == "disaggregated" else signal.SIGSTOP)
     assert len(metrics(run_dir)) < 20, "the buffer was killed after the run was done"
     import psutil
 
-    restarted = [psutil.Process(role_pid(run_dir, role, 0, proc)) for role in ("controller", "generator", "reward")]
-    assert all(p.ppid() != proc.pid and p.parent().ppid() == proc.pid for p in restarted), "not forked warm"
-    pool = restarted[2].children()  # the reward worker's scorer processes: forked, no interpreter started
-    assert pool and all(p.cmdline()[0].startswith("yatt scorer process") for p in pool), [p.cmdline() for p in pool]
+    def restarted() -> list[psutil.Process] | None:
+        """The restarted controller, generator and reward worker, once all three run."""
+        pids = role_processes(run_dir)
+        if any(pids.get(f"{role}-0") in (None, pid) for role, pid in killed.items()):
+            return None  # its death not seen yet (the launcher looks every 0.2 s), or not forked yet
+        return [psutil.Process(pids[f"{role}-0"]) for role in killed]
+
+    wait_for(lambda: restarted() is not None, 60, every=0.05)
+    roles = restarted()
+    assert roles is not None, "a restarted role died again"
+    assert all(p.ppid() != proc.pid and p.parent().ppid() == proc.pid for p in roles), "not forked warm"
+    # The reward worker's scorer processes: forked, no interpreter started (each sets its
+    # title as it starts; until then it has the reward worker's).
+    pool = roles[2]
+    wait_for(lambda: pool.children() and all(p.cmdline()[0].startswith("yatt scorer process") for p in pool.children()), 30, every=0.05)
     finish(proc, run_dir)
     assert len(metrics(run_dir)) == 20
     assert_exactly_once(run_dir, 20)
@@ -265,7 +275,7 @@ def test_killed_colocated_rank_restarts_the_trainer_group_losing_nothing(tmp_pat
     finish(proc, run_dir)
     assert (run_dir / "failpoints" / "trainer-1_checkpoint_write_2").exists(), "the rank was not killed"
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
-    assert "controller-0 exited" in log and "trainer-1 exited" in log
+    assert "controller-0 exited" in log and "trainer-1 exited" in log, log[-3000:]
     assert f"restarting the trainer group from {run_dir}/checkpoints/step_4" in log
     assert "incarnation 1" in log
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(16))

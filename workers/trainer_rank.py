@@ -165,6 +165,7 @@ class TrainerRank:
             else None
         )
         self._saving: tuple[Path, int, Future[None]] | None = None  # the checkpoint being written
+        self._marking: asyncio.Task[None] | None = None  # rank 0: marks it done as soon as it is written
 
     @classmethod
     def create(
@@ -273,6 +274,8 @@ class TrainerRank:
             if not stop.is_set():
                 await asyncio.to_thread(self.trainer.export_hf, self.run_dir / "final")
         finally:
+            if self._marking is not None:  # stopped with a write in flight: it is not done
+                self._marking.cancel()
             if self._paused is not None:
                 await self._paused.aclose()
             if watcher is not None:
@@ -467,12 +470,27 @@ class TrainerRank:
         if self.rank == 0:
             await buffer.request(Query(what="checkpoint", args={"dir": str(directory)}), Ack)
         self._saving = (directory, version, writing)
+        if background and self.rank == 0:
+            self._marking = asyncio.get_running_loop().create_task(self._mark_when_written(writing))
         await self._mark_written(wait=not background)
+
+    async def _mark_when_written(self, writing: Future[None]) -> None:
+        """Rank 0: mark the checkpoint ``done`` the moment its write ends, not at the end of
+        the step that finds it written: a rank that dies in that step costs one step less
+        (the group restarts from it). A failed write is left to the step loop to raise."""
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(writing)
+        if writing.exception() is None and self._saving is not None and self._saving[2] is writing:
+            await self._mark_written(wait=False)
 
     async def _mark_written(self, *, wait: bool) -> None:
         """Rank 0 writes the ``done`` marker of the checkpoint being saved once it is written
         (DCP's coordinator writes ``.metadata`` after every rank's files, so rank 0's save
         ends last); ``wait``: until then, else only when already written."""
+        marking = self._marking
+        if marking is not None and marking is not asyncio.current_task() and (wait or marking.done()):
+            self._marking = None
+            await marking  # raises what failed in it (the marker's or the pruning's write)
         if self._saving is None:
             return
         directory, version, writing = self._saving

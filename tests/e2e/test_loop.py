@@ -324,7 +324,9 @@ def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
 
 def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
     """Resumed with more steps. Then with a checkpoint every step, each written in the
-    background while the next step trains: each counts (``done``), two are kept."""
+    background while the next step trains: each counts (``done``) as soon as it is written,
+    two are kept. Rank 0 dies as it comes to save step 8: the group restarts from step 7
+    (written while step 8 trained), not from step 6."""
     run_dir = tmp_path / "extended"
     finish(launch(run_dir, "run.steps=3", "placement.layout=disaggregated"), run_dir)
     finish(launch(run_dir, "run.steps=5", "placement.layout=disaggregated", resume=run_dir), run_dir)
@@ -334,7 +336,10 @@ def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
     finish(again, run_dir)
     assert "is done: its last checkpoint is step 5" in (run_dir.parent / "extended.launcher.log").read_text()
     every = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=2")
-    finish(launch(run_dir, "run.steps=8", "placement.layout=disaggregated", *every, resume=run_dir), run_dir)
+    finish(launch(run_dir, "run.steps=8", "placement.layout=disaggregated", *every, resume=run_dir, failpoint="trainer-0:checkpoint:3"), run_dir)
+    assert (run_dir / "failpoints" / "trainer-0_checkpoint_3").exists(), "the rank was not killed"
+    assert f"restarting the trainer group from {run_dir}/checkpoints/step_7" in (run_dir.parent / "extended.launcher.log").read_text()
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(8))
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_7", "step_8"]
     assert all((run_dir / "checkpoints" / name / "done").exists() for name in ("step_7", "step_8"))
 

@@ -10,7 +10,7 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
     every trainer.checkpoint_every steps and at the end: DCP checkpoint of step k+1 into
             checkpoints/step_{k+1} (copied now, written in the background:
             trainer.checkpoint_async), the buffer's ledger mark beside it; rank 0 writes its
-            ``done`` marker at the end of the first step that finds it written
+            ``done`` marker the moment the write ends
     rank 0: one line of metrics.jsonl and TensorBoard scalars
 
 Layouts that take turns (``yatt.placement``): in the colocated layout every rank also

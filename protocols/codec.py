@@ -78,6 +78,46 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 
 def decode(frames: Sequence[Frame], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
     """The message in ``frames``; raises ``ProtocolError`` (and nothing else) on bad input."""
+    cls, fields, tensor_frames = _open(frames, max_frame_bytes)
+    name = cls.__name__
+    used = [False] * len(tensor_frames)
+    msg = _COMPILED[cls][1](fields, tensor_frames, used, name)
+    if not all(used):
+        raise ProtocolError(
+            f"{name}: {len(tensor_frames)} tensor frames arrived but the header "
+            f"references {sum(used)}"
+        )
+    assert isinstance(msg, Message)
+    return msg
+
+
+def decode_fields(frames: Sequence[Frame], cls: type[Message], names: Sequence[str]) -> dict[str, Any]:
+    """Only the fields ``names`` of the ``cls`` message in ``frames``, each decoded and
+    checked as ``decode`` does it: for a reader that needs a few fields of many stored
+    messages (a buffer replaying its ledger), where decoding every tensor is the cost."""
+    found, fields, tensor_frames = _open(frames, DEFAULT_MAX_FRAME_BYTES)
+    if found is not cls:
+        raise ProtocolError(f"expected a {cls.__name__}, got a {found.__name__}")
+    if not isinstance(fields, dict):
+        raise _fail(cls.__name__, f"map for {cls.__name__}", fields)
+    if cls not in _FIELD_DECODERS:
+        hints = get_type_hints(cls)
+        _FIELD_DECODERS[cls] = {f.name: _compile(hints[f.name])[1] for f in dataclasses.fields(cls)}
+    decoders = _FIELD_DECODERS[cls]
+    used = [False] * len(tensor_frames)
+    out = {}
+    for n in names:
+        if n not in fields:
+            raise ProtocolError(f"{cls.__name__}.{n}: missing field")
+        out[n] = decoders[n](fields[n], tensor_frames, used, f"{cls.__name__}.{n}")
+    return out
+
+
+_FIELD_DECODERS: dict[type[Message], dict[str, Decoder]] = {}
+
+
+def _open(frames: Sequence[Frame], max_frame_bytes: int) -> tuple[type[Message], Any, list[memoryview]]:
+    """A message's class, its header's fields (not checked yet) and its tensor frames."""
     if len(frames) < 2:
         raise ProtocolError(f"a message has at least 2 frames (kind, header); got {len(frames)}")
     views = []
@@ -106,16 +146,7 @@ def decode(frames: Sequence[Frame], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_
             f"{name}: schema version {version!r} is not supported (this side speaks "
             f"{cls.SCHEMA_VERSION}); run the same yatt version on both ends"
         )
-    tensor_frames = views[2:]
-    used = [False] * len(tensor_frames)
-    msg = _COMPILED[cls][1](header["f"], tensor_frames, used, name)
-    if not all(used):
-        raise ProtocolError(
-            f"{name}: {len(tensor_frames)} tensor frames arrived but the header "
-            f"references {sum(used)}"
-        )
-    assert isinstance(msg, Message)
-    return msg
+    return cls, header["f"], views[2:]
 
 
 # ---------------------------------------------------------------- compiling type hints

@@ -174,8 +174,13 @@ class Ledger:
     def events(self) -> list[Entry]:
         """The buffer's inputs that stand, in order: the groups it decided on (accepted,
         filtered, rolled back) with their payload, published versions and rewinds."""
+        return [r for r in self.standing() if r.status in EVENT_STATUSES]
+
+    def standing(self) -> list[Entry]:
+        """Every row no rewind voided, in order, payloads included (one read for a replay's
+        events and its counts)."""
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM decisions ORDER BY seq").fetchall()
-        return [r for r in live([_entry(r) for r in rows]) if r.status in EVENT_STATUSES]
+        return live([_entry(r) for r in rows])
 
     def close(self) -> None:
         """Commit and close; what cannot be committed (a full disk) is rolled back."""

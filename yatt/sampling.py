@@ -30,16 +30,17 @@ import importlib
 import logging
 import math
 from collections.abc import Callable
+from typing import cast
 
 import msgpack
 import numpy as np
 import torch
 
-from protocols.codec import decode, encode
+from protocols.codec import decode, decode_fields, encode
 from protocols.messages import GroupKey, MicroBatch, ScoredGroup
 from yatt.config import BufferConfig
 from yatt.errors import ConfigError, ProtocolError
-from yatt.ledger import Ledger, Status
+from yatt.ledger import EVENT_STATUSES, GROUP_STATUSES, Ledger, Status
 
 Filter = Callable[[ScoredGroup], str]
 logger = logging.getLogger(__name__)
@@ -150,6 +151,31 @@ def unpack(payload: bytes) -> ScoredGroup:
     if not isinstance(msg, ScoredGroup):
         raise ValueError(f"a ledger payload holds a {type(msg).__name__}, not a ScoredGroup")
     return msg
+
+
+class _Stored:
+    """A group as ``replay`` reads it from the ledger: decoded only as far as the buffer's
+    decisions look (its key, policy versions and rewards); ``full()`` decodes the rest
+    where a group is trained again or reported. Most groups of a long run were trained
+    long ago: decoding every tensor of every one (~21 a group) was 70% of a replay."""
+
+    __slots__ = ("group_key", "payload", "policy_versions", "rewards")
+    NEEDED = ("group_key", "policy_versions", "rewards")
+
+    def __init__(self, payload: bytes) -> None:
+        fields = decode_fields(msgpack.unpackb(payload, raw=False), ScoredGroup, self.NEEDED)
+        self.payload = payload
+        self.group_key: GroupKey = fields["group_key"]
+        self.policy_versions: torch.Tensor = fields["policy_versions"]
+        self.rewards: torch.Tensor = fields["rewards"]
+
+    def full(self) -> ScoredGroup:
+        return unpack(self.payload)
+
+
+def _full(group: ScoredGroup) -> ScoredGroup:
+    """The whole group (a ``_Stored`` one decoded)."""
+    return group.full() if isinstance(group, _Stored) else group
 
 
 class _Replaying:
@@ -376,7 +402,7 @@ class SamplingBuffer:
                 self.filtered_run = []
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
             if self.step >= self._replayed_version:
-                self.step_groups.setdefault(self.step, []).append((group, accepted))
+                self.step_groups.setdefault(self.step, []).append((_full(group), accepted))
             self.cursor += 1
             if accepted:
                 self.wave.append(group)
@@ -430,7 +456,7 @@ class SamplingBuffer:
             self.ledger.record(group.group_key, "trained", step=self.step, policy_version=int(group.policy_versions.min()))
         self.stats.trained_groups += len(self.wave)
         if self.step >= self._replayed_version:  # (a replay skips the steps trained already)
-            self.ready[(self.step, self.wave_index)] = self._split(self.wave)
+            self.ready[(self.step, self.wave_index)] = self._split([_full(g) for g in self.wave])
         self.wave = []
         self.wave_index += 1
         if self.wave_index == self.config.micro_batches_per_step:
@@ -479,10 +505,12 @@ class SamplingBuffer:
         before the last published version (trained by every rank) are not rebuilt.
         """
         ledger = self.ledger
-        events = ledger.events()
+        rows = ledger.standing()
+        events = [e for e in rows if e.status in EVENT_STATUSES]
         versions = [e.policy_version or 0 for e in events if e.status == "version"]
         self._replayed_version = max(versions, default=0)
         self.ledger = _Replaying()  # type: ignore[assignment]
+        lazy = not self.config.max_completion_tokens and self._custom is None  # (those filters read whole groups)
         try:
             for e in events:
                 if e.status == "version":
@@ -492,10 +520,10 @@ class SamplingBuffer:
                     self.rewound()
                     continue
                 assert e.payload is not None
-                group = unpack(e.payload)
-                if len(group.completion_ids) != self.config.group_size:
+                group = cast(ScoredGroup, _Stored(e.payload)) if lazy else unpack(e.payload)
+                if len(group.rewards) != self.config.group_size:
                     raise ConfigError(
-                        f"ledger {ledger.path}: group {e.key.as_str()} has {len(group.completion_ids)} samples and "
+                        f"ledger {ledger.path}: group {e.key.as_str()} has {len(group.rewards)} samples and "
                         f"buffer.group_size is {self.config.group_size}; it must not change across a restart"
                     )
                 decision = self._decide(group)
@@ -507,8 +535,13 @@ class SamplingBuffer:
         finally:
             self.ledger = ledger
             self._replayed_version = 0
+        # What the buffer goes on with is whole: the groups decided beyond the cursor and the wave being filled.
+        self.decided = {g: (_full(group), accepted) for g, (group, accepted) in self.decided.items()}
+        self.wave = [_full(group) for group in self.wave]
         self.stats = Stats()
-        for e in ledger.entries():
+        for e in rows:
+            if e.status not in GROUP_STATUSES:
+                continue
             if e.status == "filtered":
                 self.stats.filtered[e.reason] = self.stats.filtered.get(e.reason, 0) + 1
             else:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import protocols as P
-from protocols.codec import decode, encode
+from protocols.codec import decode, decode_fields, encode
 from yatt.errors import ProtocolError
 
 KEY = P.GroupKey(epoch=1, shard=2, prompt_index=3, attempt=1)
@@ -353,3 +353,29 @@ def test_no_pickle_anywhere() -> None:
                 if pattern.search(line) and "weights_only=True" not in line:
                     offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_decode_fields_decodes_only_the_fields_asked_for() -> None:
+    """What a buffer's replay reads of a stored group: the fields asked for, checked as
+    ``decode`` checks them; the wrong message type or a bad field is a ProtocolError."""
+    key = P.GroupKey(epoch=1, shard=0, prompt_index=5, attempt=2)
+    group = P.ScoredGroup(
+        group_key=key, prompt_ids=torch.arange(3, dtype=torch.int32),
+        completion_ids=[torch.arange(4, dtype=torch.int32)] * 2, rollout_logprobs=[torch.zeros(4)] * 2,
+        rewards=torch.tensor([1.0, 0.0]), advantages=torch.tensor([0.5, -0.5]),
+        policy_versions=torch.tensor([3, 4]), finish_reasons=["stop", "length"],
+    )  # fmt: skip
+    frames = [bytes(f) for f in encode(group)]
+    fields = decode_fields(frames, P.ScoredGroup, ("group_key", "rewards"))
+    assert set(fields) == {"group_key", "rewards"} and fields["group_key"] == key
+    assert torch.equal(fields["rewards"], group.rewards)
+    with pytest.raises(ProtocolError, match="expected a ScoredGroup, got a Ack"):
+        decode_fields([bytes(f) for f in encode(P.Ack(seq=1))], P.ScoredGroup, ("rewards",))
+    header = msgpack.unpackb(frames[1])
+    header["f"]["rewards"] = ["float32", [3], 5]  # the wrong shape for its frame
+    bad = [frames[0], msgpack.packb(header), *frames[2:]]
+    with pytest.raises(ProtocolError, match=r"ScoredGroup\.rewards: tensor"):
+        decode_fields(bad, P.ScoredGroup, ("rewards",))
+    del header["f"]["rewards"]
+    with pytest.raises(ProtocolError, match=r"ScoredGroup\.rewards: missing field"):
+        decode_fields([frames[0], msgpack.packb(header), *frames[2:]], P.ScoredGroup, ("rewards",))

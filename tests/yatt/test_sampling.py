@@ -206,6 +206,28 @@ def test_replay_rebuilds_the_state_and_continues_identically(tmp_path: Path) -> 
     assert len(restarted.ledger.entries("trained")) == 6 * 4
 
 
+def test_replay_rebuilds_whole_the_groups_the_buffer_goes_on_with(tmp_path: Path) -> None:
+    """Replay decodes a stored group only as far as its decisions look (key, versions,
+    rewards); the micro-batches of a step not trained yet, its step report, the wave being
+    filled and the groups beyond the cursor come back whole."""
+    buf = make_buffer(tmp_path, "run.db", groups_per_step=8)
+    drive(buf, 2, None)
+    for _ in range(100):  # until step 2's first wave is assembled and its second begun
+        if (2, 0) in buf.ready and buf.wave:
+            break
+        buf.offer(make_group([k for s in (0, 1) for k in buf.plan(s)][0], buf.version))
+    buf.ledger.commit()
+    restarted = make_buffer(tmp_path, "run.db", groups_per_step=8)
+    restarted.replay()
+    assert state(restarted) == state(buf) and (2, 0) in restarted.ready
+    kept = [g for g, _ in restarted.decided.values()] + restarted.wave
+    kept += [g for groups in restarted.step_groups.values() for g, _ in groups]
+    assert restarted.wave and restarted.step_groups[2] and all(type(g) is ScoredGroup for g in kept), [type(g) for g in kept]
+    for k, batches in buf.ready.items():
+        for a, b in zip(batches, restarted.ready[k], strict=True):
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "rollout_logprobs", "advantages", "loss_mask"))
+
+
 def test_rewind_goes_back_to_the_mark_and_rolls_back_newer_groups(tmp_path: Path) -> None:
     reference = drive(make_buffer(tmp_path, "ref.db"), 6, None)
     buf = make_buffer(tmp_path, "run.db")

@@ -678,7 +678,11 @@ class LocalLauncher:
         every rank, rewind the buffer to the checkpoint, trim the metrics, start the ranks
         as a new incarnation (the generators take its weights, older ones are refused)."""
         ranks = [p for p in self.procs if p.role == "trainer"]
-        await self._stop(ranks)
+        for p in ranks:  # killed, not asked to stop: nothing of theirs is kept (a write in flight needed the dead rank too)
+            if p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGKILL)
+        for p in ranks:
+            await asyncio.to_thread(p.popen.wait)
         await self._forget(ranks)
         checkpoint = latest_checkpoint(self.run_dir)
         print(f"yatt: restarting the trainer group from {checkpoint or 'the start'}", file=sys.stderr, flush=True)

@@ -525,9 +525,17 @@ class TrainerRank:
             self._synced[actor_id] = version
 
     async def _watch_generators(self, directory: Directory) -> None:
-        """Bring generators that (re)joined up to the current version."""
+        """Bring generators that (re)joined up to the current version: as the directory
+        sees one join (a restarted generator waited up to a heartbeat interval, 1 s, for
+        its weights), and every heartbeat interval (a push that failed is tried again)."""
         while True:
-            await asyncio.sleep(self.cfg.transport.heartbeat_interval_s)
+            seen = {w.actor_id for w in _external(directory)}
+
+            def joined(d: Directory, seen: set[str] = seen) -> bool:
+                return not {w.actor_id for w in _external(d)} <= seen
+
+            with contextlib.suppress(RequestTimeout):
+                await directory.wait_until(joined, self.cfg.transport.heartbeat_interval_s)
             current = {w.actor_id for w in _external(directory)}
             for actor_id in list(self._synced):
                 if actor_id not in current:

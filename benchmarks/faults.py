@@ -35,7 +35,7 @@ restarting everything.
 
 Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5),
 ``checkpoint_model`` (builtin:smollm2), ``checkpoint_steps`` (5), ``fuzz_frames`` (100000),
-``soak_steps`` (2000), ``goodput_items`` ([]: overrides of the goodput runs), ``parts`` ([kills, goodput, fuzz, soak]; add ``checkpoint``).
+``soak_steps`` (2000), ``goodput_repeats`` (1), ``goodput_items`` ([]: overrides of the goodput runs), ``parts`` ([kills, goodput, fuzz, soak]; add ``checkpoint``).
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ class Options:
     """model.path of the checkpoint-cost runs ("" for the tiny default)."""
     checkpoint_steps: int = 5
     """Steps of each checkpoint-cost run."""
+    goodput_repeats: int = 1
+    """Goodput: pairs of undisturbed and role-restart runs, interleaved (the median ratio)."""
     goodput_items: list[str] = field(default_factory=list)
     """Config overrides of the goodput runs alone, e.g. a larger batch for longer steps:
     ``[buffer.groups_per_step=48, controller.max_new_tokens=16]``."""
@@ -96,7 +98,7 @@ class Options:
     """Which parts to run (the suite; ``checkpoint`` too, ~7 min more, by asking for it)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "at", "every", "checkpoint_every", "fuzz_frames", "soak_steps", "checkpoint_steps"):
+        for name in ("steps", "at", "every", "checkpoint_every", "fuzz_frames", "soak_steps", "checkpoint_steps", "goodput_repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"faults.{name} must be >= 1 (got {getattr(self, name)})")
         unknown = set(self.parts) - set(PARTS)
@@ -364,37 +366,55 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     seed, f, r = load_run_config(None).run.seed, result.figures, result.ratios
     kills = [(k, *ROTATION[(k // opts.every - 1) % len(ROTATION)], signal.SIGKILL) for k in range(opts.every, opts.steps, opts.every)]
     items = [*items, *opts.goodput_items]
-    for name, plan, restart_all in (("undisturbed", [], False), ("role_restart", kills, False), ("restart_all", kills, True)):
+    # Undisturbed and role-restart runs interleaved, ``goodput_repeats`` pairs: two runs of
+    # the same job here differ by ~5% in median step and ~1.5 s in start-up, as much as all
+    # the failures cost; the pairs' median ratio is reported.
+    runs = [(f"{name}{'' if i == 0 else f'_{i + 1}'}", plan, False) for i in range(opts.goodput_repeats) for name, plan in (("undisturbed", []), ("role_restart", kills))]
+    walls: dict[str, float] = {}
+    spans: dict[str, float] = {}
+    for name, plan, restart_all in [*runs, ("restart_all", kills, True)]:
         run_dir = tmp / name
         wall, landed = _run(run_dir, items, plan, restart_all)
         out = audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
+        walls[name] = f[f"wall_s_{name}"] = wall
         f[f"kills_landed_{name}"] = float(landed)
-        f[f"wall_s_{name}"] = wall
-        f[f"goodput_{name}"] = f["wall_s_undisturbed"] / wall
         f[f"finished_{name}"] = float(out.finished)
         f[f"groups_lost_{name}"] = float(out.lost)
         f[f"groups_duplicated_{name}"] = float(out.duplicated)
-        if out.finished:
-            rows = read_metrics(run_dir / "metrics.jsonl")
-            f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in rows[1:])
-            if name == "role_restart":
-                unix = [row["time/unix"] for row in rows]
-                lost = 0.0
-                for after, role, index, _ in kills:
-                    back = opts.checkpoint_every if role == "trainer" else 0
-                    lost += (cost := failure_cost(unix, after, back))
-                    f[f"s_lost_{role}_{index}_after_{after}"] = cost
-                # The same figure from this run's own timestamps: not swayed by a noisy undisturbed run.
-                f["goodput_role_restart_from_costs"] = 1 - lost / wall
-    if kills:  # what one failure costs: wall time over the undisturbed run's, per failure
-        f["s_per_failure_role_restart"] = (f["wall_s_role_restart"] - f["wall_s_undisturbed"]) / len(kills)
-        f["s_per_failure_restart_all"] = (f["wall_s_restart_all"] - f["wall_s_undisturbed"]) / len(kills)
+        if not out.finished:
+            continue
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        unix = [row["time/unix"] for row in rows]
+        spans[name] = unix[-1] - unix[0]  # first step's end to the last's: start-up and export left out
+        f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in rows[1:])
+        if name.startswith("role_restart"):
+            lost = 0.0
+            for after, role, index, _ in kills:
+                back = opts.checkpoint_every if role == "trainer" else 0
+                lost += (cost := failure_cost(unix, after, back))
+                f[f"s_lost_{role}_{index}_after_{after}{name.removeprefix('role_restart')}"] = cost
+            # The same figure from this run's own timestamps: not swayed by a noisy undisturbed run.
+            f[f"goodput_{name}_from_costs"] = 1 - lost / wall
+    pairs = [(runs[i][0], runs[i + 1][0]) for i in range(0, len(runs), 2)]
+    f["goodput_role_restart"] = statistics.median(walls[u] / walls[d] for u, d in pairs)
+    if all(u in spans and d in spans for u, d in pairs):
+        f["goodput_role_restart_steps"] = statistics.median(spans[u] / spans[d] for u, d in pairs)
+    costs = [f[k] for k in f if k.startswith("goodput_role_restart") and k.endswith("_from_costs")]
+    if costs:
+        f["goodput_role_restart_from_costs_median"] = statistics.median(costs)
+    undisturbed = statistics.median(walls[u] for u, _ in pairs)
+    f["goodput_restart_all"] = undisturbed / walls["restart_all"]
+    if kills:  # what one failure costs: wall time over the undisturbed runs', per failure
+        f["s_per_failure_role_restart"] = (statistics.median(walls[d] for _, d in pairs) - undisturbed) / len(kills)
+        f["s_per_failure_restart_all"] = (walls["restart_all"] - undisturbed) / len(kills)
     r["goodput_role_restart_vs_restart_all"] = f["goodput_role_restart"] / f["goodput_restart_all"]
-    r["wall_role_restart_vs_restart_all"] = f["wall_s_role_restart"] / f["wall_s_restart_all"]
+    r["wall_role_restart_vs_restart_all"] = statistics.median(walls[d] for _, d in pairs) / walls["restart_all"]
     result.notes.append(
         f"goodput: a failure every {opts.every} steps ({len(kills)} in the run{', ' + ' '.join(opts.goodput_items) if opts.goodput_items else ''}) cycling through "
         + ", ".join(f"{role}-{i}" for role, i in ROTATION)
-        + "; restart_all kills the whole job at the same steps and resumes it with --resume"
+        + f"; {opts.goodput_repeats} undisturbed and role-restart runs interleaved (the median of their pairs' ratios);"
+        " restart_all kills the whole job at the same steps and resumes it with --resume;"
+        " goodput_role_restart_steps: the same ratio over the time from the first step's end to the last's"
     )
 
 

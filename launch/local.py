@@ -71,6 +71,10 @@ GRACE_S = 15.0
 HUNG_S = 10.0
 """A role process the registry dropped (silent past its heartbeat limit) but still alive
 after this long is hung (SIGSTOP, a deadlock): it is killed, then restarted as if it died."""
+WATCH_S = 0.05
+"""How often the launcher looks at its role processes: a role's death is seen within it
+(a look reads the new metrics lines and polls each process: the launcher took 2.0% of a core
+in a disaggregated default job, 1.4% at 0.2 s, where a restart waited 0.1 s on average)."""
 RUN_FILES = ("metrics.jsonl", "ledger.db")
 """What marks a run dir as holding a run (with a complete checkpoint): reusing it needs --resume."""
 
@@ -609,7 +613,7 @@ class LocalLauncher:
                     progress.rewind(checkpoint_step(self.trainer_resume) if self.trainer_resume else 0)
                     last_step = time.monotonic()
                     break
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(WATCH_S)
             return 130
         finally:
             progress.close()

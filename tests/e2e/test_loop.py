@@ -237,7 +237,7 @@ def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Pa
         """The restarted controller, generator and reward worker, once all three run."""
         pids = role_processes(run_dir)
         if any(pids.get(f"{role}-0") in (None, pid) for role, pid in killed.items()):
-            return None  # its death not seen yet (the launcher looks every 0.2 s), or not forked yet
+            return None  # its death not seen yet (the launcher looks every 50 ms), or not forked yet
         return [psutil.Process(pids[f"{role}-0"]) for role in killed]
 
     wait_for(lambda: restarted() is not None, 60, every=0.05)

@@ -168,6 +168,7 @@ def _close() -> None:
     with _lock:
         if _file is None:
             return
+        _file.write(_cpu_line())  # the samples cover the process to its end (a window that ends just before it)
         cpu = time.process_time()
         _file.write(json.dumps({"kind": "_process", "cpu_s": round(cpu, 6), "wall_s": round(time.time() - _wall0, 6)}) + "\n")
         _file.close()

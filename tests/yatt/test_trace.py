@@ -67,10 +67,27 @@ def test_each_step_end_writes_a_cpu_sample_so_a_window_of_steps_is_covered(tmp_p
     """)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     kinds = [rec["kind"] for rec in lines]
-    assert kinds[-5:] == ["step", "_cpu", "step", "_cpu", "_process"]
-    for step, sample in ((lines[-5], lines[-4]), (lines[-3], lines[-2])):
+    assert kinds[-6:] == ["step", "_cpu", "step", "_cpu", "_cpu", "_process"]  # the last sample: at exit
+    for step, sample in ((lines[-6], lines[-5]), (lines[-4], lines[-3])):
         assert sample["start"] >= step["start"] + step["duration"] - 1e-3
-    assert lines[-2]["cpu_s"] > lines[-4]["cpu_s"]
+    assert lines[-3]["cpu_s"] > lines[-5]["cpu_s"]
+
+
+def test_a_process_writes_a_last_cpu_sample_at_exit(tmp_path: Path) -> None:
+    """A role without steps (a controller) that ends shortly after the measured window is
+    still covered by its samples: the sampler runs every 0.5 s, the exit writes one more."""
+    path = tmp_path / "trace" / "controller-0.jsonl"
+    _run(f"""
+        import time
+        from pathlib import Path
+        from yatt import trace
+        trace.CPU_SAMPLE_S = 1000.0  # the sampler thread writes once, then never again here
+        trace.configure(Path({str(path)!r}))
+        time.sleep(0.1)
+    """)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [rec["kind"] for rec in lines][-2:] == ["_cpu", "_process"]
+    assert sum(rec["kind"] == "_cpu" for rec in lines) == 2 and lines[-2]["start"] >= lines[0]["start"] + 0.1
 
 
 def test_off_by_default_writes_nothing(tmp_path: Path) -> None:

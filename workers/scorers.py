@@ -495,6 +495,18 @@ class _Waiting:
     result: asyncio.Future[list[Outcome]]
 
 
+def _settle(waiting: _Waiting, outcomes: list[Outcome] | None = None, *, error: Exception | None = None) -> None:
+    """Hand a batch its outcomes or its error, unless its caller gave up meanwhile (a
+    cancelled future takes neither)."""
+    if waiting.result.done():
+        return
+    if error is not None:
+        waiting.result.set_exception(error)
+    else:
+        assert outcomes is not None
+        waiting.result.set_result(outcomes)
+
+
 class _ThreadedModel:
     """Runs a model in a thread, one call at a time, under a time limit. The batches that
     arrive while a call runs (other groups being scored) go into the next call together,
@@ -540,15 +552,14 @@ class _ThreadedModel:
                     outcomes = await asyncio.to_thread(self._model, [s for w in live for s in w.batch]) if live else []
                 except Exception as e:
                     if len(live) == 1:
-                        live[0].result.set_exception(e)
+                        _settle(live[0], error=e)
                         continue
                     for w in live:
                         await self._run_alone(w)
                     continue
                 start = 0
                 for w in live:
-                    if not w.result.done():
-                        w.result.set_result(outcomes[start : start + len(w.batch)])
+                    _settle(w, outcomes[start : start + len(w.batch)])
                     start += len(w.batch)
         finally:  # cancelled with the actor: no caller waits for good
             for w in self._waiting:
@@ -559,13 +570,9 @@ class _ThreadedModel:
         if waiting.deadline <= time.monotonic() or waiting.result.done():
             return
         try:
-            outcomes = await asyncio.to_thread(self._model, waiting.batch)
+            _settle(waiting, await asyncio.to_thread(self._model, waiting.batch))
         except Exception as e:
-            if not waiting.result.done():
-                waiting.result.set_exception(e)
-            return
-        if not waiting.result.done():
-            waiting.result.set_result(outcomes)
+            _settle(waiting, error=e)
 
     def close(self) -> None:
         if self._runner is not None:

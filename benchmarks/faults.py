@@ -402,13 +402,13 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     costs = [f[k] for k in f if k.startswith("goodput_role_restart") and k.endswith("_from_costs")]
     if costs:
         f["goodput_role_restart_from_costs_median"] = statistics.median(costs)
-    undisturbed = statistics.median(walls[u] for u, _ in pairs)
+    undisturbed, disturbed = (statistics.median(walls[run[i]] for run in pairs) for i in (0, 1))
     f["goodput_restart_all"] = undisturbed / walls["restart_all"]
     if kills:  # what one failure costs: wall time over the undisturbed runs', per failure
-        f["s_per_failure_role_restart"] = (statistics.median(walls[d] for _, d in pairs) - undisturbed) / len(kills)
+        f["s_per_failure_role_restart"] = (disturbed - undisturbed) / len(kills)
         f["s_per_failure_restart_all"] = (walls["restart_all"] - undisturbed) / len(kills)
     r["goodput_role_restart_vs_restart_all"] = f["goodput_role_restart"] / f["goodput_restart_all"]
-    r["wall_role_restart_vs_restart_all"] = statistics.median(walls[d] for _, d in pairs) / walls["restart_all"]
+    r["wall_role_restart_vs_restart_all"] = disturbed / walls["restart_all"]
     result.notes.append(
         f"goodput: a failure every {opts.every} steps ({len(kills)} in the run{', ' + ' '.join(opts.goodput_items) if opts.goodput_items else ''}) cycling through "
         + ", ".join(f"{role}-{i}" for role, i in ROTATION)

@@ -374,7 +374,9 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
     spans: dict[str, float] = {}
     for name, plan, restart_all in [*runs, ("restart_all", kills, True)]:
         run_dir = tmp / name
+        began = time.time()
         wall, landed = _run(run_dir, items, plan, restart_all)
+        ended = time.time()
         out = audit(run_dir, seed, training_prompts(run_dir), wall, _steps(run_dir) == opts.steps)
         walls[name] = f[f"wall_s_{name}"] = wall
         f[f"kills_landed_{name}"] = float(landed)
@@ -386,6 +388,9 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
         rows = read_metrics(run_dir / "metrics.jsonl")
         unix = [row["time/unix"] for row in rows]
         spans[name] = unix[-1] - unix[0]  # first step's end to the last's: start-up and export left out
+        # Where the rest of the wall time went: the launch to the first step's end, the
+        # last step's end to the launcher's exit (export, stopping the roles).
+        f[f"startup_s_{name}"], f[f"shutdown_s_{name}"] = unix[0] - began, ended - unix[-1]
         f[f"step_s_median_{name}"] = statistics.median(row["time/step_s"] for row in rows[1:])
         if name.startswith("role_restart"):
             lost = 0.0

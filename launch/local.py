@@ -735,6 +735,7 @@ class LocalLauncher:
             await asyncio.sleep(0.1)
         for p in live:
             if p.popen.poll() is None:
+                print(f"yatt: {p.name} did not stop within {GRACE_S:g} s of SIGTERM; killing it (its log: {p.log})", file=sys.stderr, flush=True)
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
 

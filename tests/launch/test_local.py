@@ -3,11 +3,18 @@ get one thread; an explicit setting wins) and, on a GPU machine, each process's 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+import launch.local
 from launch.config import load_run_config
-from launch.local import LocalLauncher, role_threads
+from launch.local import LocalLauncher, Proc, role_threads
 from launch.placement import make_plan
 from yatt.placement.layouts import cpu_cluster, gpu_cluster
 
@@ -59,3 +66,23 @@ def test_a_cpu_plan_sets_no_gpus() -> None:
     launcher.plan = make_plan(cfg, cpu_cluster([0, 1], 8 << 30, peak_flops=1e11))
     assert "CUDA_VISIBLE_DEVICES" not in launcher.role_env("trainer", 0) or os.environ.get("CUDA_VISIBLE_DEVICES")
     assert "--device" not in launcher.role_command("trainer", 0)
+
+
+def test_a_role_deaf_to_sigterm_is_killed_after_the_grace_and_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Stopping the roles waits ``GRACE_S`` for each to exit on SIGTERM; one still running
+    then is SIGKILLed, and the launcher says which (a silent wait of 15 s at a run's end)."""
+    monkeypatch.setattr(launch.local, "GRACE_S", 0.5)
+    launcher = LocalLauncher(load_run_config(None), tmp_path)
+    code = {"deaf": "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)",
+            "obeys": "import sys, time; print('up', flush=True); time.sleep(60)"}
+    procs = []
+    for index, name in enumerate(code):
+        popen = subprocess.Popen([sys.executable, "-c", code[name]], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert popen.stdout is not None and popen.stdout.readline() == "up\n"  # its handler is set
+        procs.append(Proc(role="reward" if name == "deaf" else "controller", index=index, popen=popen, log=tmp_path / f"{name}.log"))
+    asyncio.run(launcher._stop(procs))
+    err = capsys.readouterr().err
+    assert procs[0].popen.returncode == -signal.SIGKILL and procs[1].popen.returncode == -signal.SIGTERM
+    assert "reward-0 did not stop within 0.5 s of SIGTERM; killing it" in err and "controller-1" not in err

@@ -1,7 +1,6 @@
-"""Re-planning inside a run, live: the judge of ``examples/adaptive_judge.yaml`` is the slow
-stage (and turns slower mid-run, injected: ``YATT_SLOW_REWARD``); the launcher moves a
-generator's slot to a second judge between two steps, without stopping the run, losing
-nothing."""
+"""Re-planning inside a run, live: the judge of ``examples/adaptive_judge.yaml`` turns slow
+mid-run (injected: ``YATT_SLOW_REWARD``); the launcher moves a generator's slot to a second
+judge between two steps, without stopping the run, losing nothing."""
 
 from __future__ import annotations
 
@@ -38,17 +37,19 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     assert [d["step"] for d in decisions] == list(range(40)), "a decision after every step"
     changes = [d for d in decisions if d["placement/changed"]]
     assert len(changes) == 1 and "1 slots generate -> reward" in changes[0]["reason"], [d["reason"] for d in decisions]
-    # The change waited for the hysteresis: 3 steps in a row predicting the same gain. It
-    # may come before the judge turns slow: on this machine the judge is the slower stage
-    # from the start (~0.1-0.3 s a step against generation's ~0.05 s), and with roles forked
-    # warm the switch (charged as this run's start-to-READY, ~1.4 s) pays for itself within
-    # the horizon. Once the judge is slow, the plan holds its two judges.
+    # The shift caused the change: before the judge turned slow no move beat the example's
+    # margin (placement.adaptive_margin=0.4; a second judge is predicted 30-35% faster on
+    # this machine from the start), after it the same move did for 3 steps in a row (the
+    # hysteresis), each of them a step that ended with the judge slow. Once it changed, the
+    # plan holds its two judges.
     rows = metrics(run_dir)
+    slow_since = float((run_dir / "failpoints" / "slow_reward").read_text())
+    first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
+    assert not any(d["placement/changed"] for d in decisions[:first_slow]), [d["reason"] for d in decisions]
     held = decisions[changes[0]["step"] - 2 : changes[0]["step"]]
     assert [d["placement/streak"] for d in held] == [1.0, 2.0]
-    slow_since = float((run_dir / "failpoints" / "slow_reward").read_text())
-    slow = [d for d, row in zip(decisions, rows, strict=True) if row["time/unix"] > slow_since]
-    assert slow and all(d["reason"].startswith("keep") for d in slow if d["step"] > changes[0]["step"]), [d["reason"] for d in slow]
+    assert held[0]["step"] >= first_slow, (first_slow, [d["reason"] for d in decisions])
+    assert all(d["reason"].startswith("keep") for d in decisions[changes[0]["step"] + 1 :]), [d["reason"] for d in decisions]
     # Carried out in place: generator-1 stopped, reward-1 started on its slot, the run went on.
     assert "stopped generator-1" in said and "started reward-1" in said, said[-3000:]
     assert "exited with code" not in said and "restarting" not in said, said[-3000:]

@@ -15,10 +15,16 @@ when the plan changes, the launcher carries it out in place (``LocalLauncher``):
     write plan.json          the joining processes read their slots from it
     start the joining ones   they register and the controllers' pools grow
 
-The trainer ranks stay where they are (``keep_trainers``): a neighbour that moves them, or
-changes the layout, is not considered in a run (the cluster simulator considers them).
-The switch costs are this run's own: its start to READY (every role: an upper bound for
-one joining process) and about a second to stop one (``LocalLauncher.make_adapter``).
+A move of the trainer's slots (a new world size) waits for the first complete checkpoint
+after the step it was decided after; then the launcher stops the leaving engines, kills
+the trainer ranks, rewinds the buffer to the checkpoint with the new world size (it splits
+the micro-batches for it), and starts the new group from the checkpoint (DCP reshards the
+weights and optimizer state on load) as a new incarnation; the step under way when the
+ranks die is trained again. Without checkpoints (``trainer.checkpoint_every=0``) the
+trainer ranks stay where they are (``keep_trainers``). A layout change is not considered
+in a run (the cluster simulator considers them). The switch costs are this run's own: its
+start to READY (every role: an upper bound for one joining process, and for a new trainer
+group), and about a second to stop one (``LocalLauncher.make_adapter``).
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ from typing import Any
 from launch.config import RunConfig
 from launch.plan import run_costs, run_sizes, run_workload
 from protocols.messages import Metrics, Query
-from yatt.errors import YattError
+from yatt.config import BufferConfig
+from yatt.errors import ConfigError, YattError
 from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
 from yatt.placement.plan import Assignment, ClusterSpec, Plan
 from yatt.registry import Directory
+from yatt.sampling import check_world_size
 
 DECISIONS_FILE = "placement.jsonl"
 BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
@@ -77,6 +85,15 @@ def moved(old: Plan, new: Plan) -> tuple[list[tuple[str, int]], list[tuple[str, 
     return stop, start
 
 
+def splits_over(config: BufferConfig, world_size: int) -> bool:
+    """Whether the buffer's micro-batch waves split evenly over ``world_size`` ranks."""
+    try:
+        check_world_size(config, world_size)
+    except ConfigError:
+        return False
+    return True
+
+
 class Adapter:
     """The run's replanner, fed from the roles' stats and the metrics lines."""
 
@@ -87,7 +104,9 @@ class Adapter:
         self.replanner = Replanner(
             plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
             workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
-            patience=cfg.placement.adaptive_patience, layouts=(plan.layout,), keep_trainers=True,
+            patience=cfg.placement.adaptive_patience, layouts=(plan.layout,),
+            keep_trainers=cfg.trainer.checkpoint_every == 0,  # a new trainer group starts from a checkpoint
+            world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
         )  # fmt: skip
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
         self.busy_workers = {role: 0 for role in BUSY_KEYS}

@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
-import math
 import os
 import signal
 import socket
@@ -58,7 +57,7 @@ from yatt.errors import (
     RequestTimeout,
     TransportError,
 )
-from yatt.placement.adaptive import SwitchCosts
+from yatt.placement.adaptive import SwitchCosts, trainer_slots
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport, make_curve_keys
@@ -276,7 +275,8 @@ class LocalLauncher:
         self.adapter: Adapter | None = None
         """Re-plans from each step's measured times (placement.adaptive); None: the plan stays."""
         self._decisions: asyncio.Queue[dict[str, float]] = asyncio.Queue()
-        self._next_plan: tuple[Plan, str] | None = None
+        self._next_plan: tuple[Plan, str, int] | None = None
+        """A re-planned plan to carry out, why, and the step it was decided after."""
         self.fork_server = ForkServer([*PRELOAD, *model_modules(cfg.model.path)]) if cfg.run.fork_roles else None
         """Where the roles on CPUs are forked from, warm (None: every role starts from its command line)."""
 
@@ -289,8 +289,9 @@ class LocalLauncher:
 
     def make_adapter(self, ready_s: float) -> Adapter | None:
         """The run's replanner (placement.adaptive), its switch costs this run's own: for an
-        engine that joins, ``ready_s`` (this run's start to READY, every role: an upper bound
-        for one process); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
+        engine that joins and for a new trainer group, ``ready_s`` (this run's start to
+        READY, every role: an upper bound for one process, and for the ranks' build and
+        checkpoint load); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
         if not self.cfg.placement.adaptive or self.plan is None or self.cluster is None:
             return None
         if self.plan.layout == "partial":  # its generators sleep and wake with the trainer's steps
@@ -300,8 +301,14 @@ class LocalLauncher:
         from launch.plan import with_peak
 
         cluster = self.cluster if self.cluster.peak_flops > 0 else with_peak(self.cluster, self.cfg.model.dtype)
-        switch = SwitchCosts(to_rollout_s=ready_s, to_train_s=1.0, reshard_s=math.inf)
+        switch = SwitchCosts(to_rollout_s=ready_s, to_train_s=1.0, reshard_s=ready_s)
         return Adapter(self.cfg, self.plan, cluster, self.run_dir, switch=switch)
+
+    @property
+    def world_size(self) -> int:
+        """The trainer group's ranks: the plan's (a run re-planned can change it), else the config's."""
+        ranks = len(self.plan.of("trainer")) if self.plan is not None else 0
+        return ranks or self.cfg.trainer.world_size
 
     def _gpus_of(self, role: str, index: int) -> list[int]:
         """The GPUs of a role process's slots (on a GPU machine; none for a light role)."""
@@ -412,10 +419,8 @@ class LocalLauncher:
         check_run_dir(self.run_dir, self.resume)
         if failpoint := os.environ.get(trace.FAILPOINT_ENV):
             trace.parse_failpoint(failpoint)
-        if os.environ.get(trace.SLOW_REWARD_ENV):
-            from workers.reward import SlowDown
-
-            SlowDown.from_env(self.run_dir)
+        trace.reward_slowdown(self.run_dir)  # an injected workload shift, when asked for
+        trace.training_slowdown(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
@@ -507,7 +512,7 @@ class LocalLauncher:
                 MASTER_PORT=str(self.master_port),
                 TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store
                 RANK=str(index),
-                WORLD_SIZE=str(self.cfg.trainer.world_size),
+                WORLD_SIZE=str(self.world_size),
                 LOCAL_RANK=str(index),
             )
             interface = loopback_interface(self.host)
@@ -556,6 +561,8 @@ class LocalLauncher:
 
     async def _watch(self, directory: Directory, stop: asyncio.Event) -> int:
         progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.run.steps, enabled=self.show_progress)
+        if self.resume is not None:  # the steps before the checkpoint were measured (and re-planned) by the run resumed
+            progress.rewind(checkpoint_step(self.resume))
         group_restarts = 0
         last_step = time.monotonic()
         try:
@@ -567,9 +574,12 @@ class LocalLauncher:
                     if self.adapter is not None:  # measured by _replan, beside this loop
                         for line in progress.lines:
                             self._decisions.put_nowait(line)
-                if self._next_plan is not None:
-                    await self._apply_plan(*self._next_plan)
+                if self._next_plan is not None and self._plan_can_go(*self._next_plan):
+                    resumed = await self._apply_plan(directory, self._next_plan[0], self._next_plan[1])
                     self._next_plan = None
+                    if resumed is not None:  # the trainer group restarted at its new size
+                        progress.rewind(resumed)
+                        last_step = time.monotonic()
                 stall = self.cfg.run.stall_timeout_s
                 if stall and time.monotonic() - last_step > stall:
                     raise ActorFailed(
@@ -633,27 +643,48 @@ class LocalLauncher:
                 print(f"yatt: re-planning after step {int(line['step'])} failed ({e!r}); the plan stays", file=sys.stderr, flush=True)
                 continue
             if decision.changed:
-                self._next_plan = (decision.plan, decision.reason)
+                self._next_plan = (decision.plan, decision.reason, int(line["step"]))
 
-    async def _apply_plan(self, plan: Plan, reason: str) -> None:
+    def _plan_can_go(self, plan: Plan, reason: str, step: int) -> bool:
+        """Whether a re-planned ``plan`` can be carried out now: at once when the trainer ranks
+        keep their slots; a new trainer group goes through a checkpoint, so it waits for
+        the first complete one after the step it was decided after (nothing trained is
+        thrown away but the step under way)."""
+        assert self.plan is not None
+        if trainer_slots(plan) == trainer_slots(self.plan):
+            return True
+        checkpoint = latest_checkpoint(self.run_dir)
+        return checkpoint is not None and checkpoint_step(checkpoint) > step
+
+    async def _apply_plan(self, directory: Directory, plan: Plan, reason: str) -> int | None:
         """Carry out a re-planned ``plan`` between two steps (``launch.adaptive``): the leaving
         generators and reward workers stop (their in-flight requests are re-issued), the plan
-        is written, the joining ones start on their slots; nothing else stops."""
+        is written, the joining ones start on their slots. When the trainer ranks move, the
+        group restarts at its new size from the newest checkpoint (DCP reshards it on load)
+        with the buffer rewound to it; returns that checkpoint's step then, else None."""
         assert self.plan is not None
         plan = keep_places(self.plan, plan)
         stop, start = moved(self.plan, plan)
+        regroup = trainer_slots(plan) != trainer_slots(self.plan)
         leaving = [p for p in self.procs if (p.role, p.index) in stop]
         began = time.monotonic()
         await self._stop(leaving)
         await self._forget(leaving)
         for p in leaving:
             self.procs.remove(p)
-        self.plan = plan
+        before, self.plan = self.world_size, plan
         write_plan(plan, self.run_dir)
+        resumed = None
+        if regroup:
+            checkpoint = await self._restart_trainers(directory, world_size=len(plan.of("trainer")))
+            resumed = checkpoint_step(checkpoint) if checkpoint is not None else 0
         for role, index in start:
             self.procs.append(self._spawn(role, index))
         stopped, started = (", ".join(f"{r}-{i}" for r, i in pairs) or "none" for pairs in (stop, start))
+        if regroup:
+            started += f"; trainer group {before} -> {self.world_size} ranks from step {resumed}"
         print(f"yatt: placement {reason}; stopped {stopped} ({time.monotonic() - began:.1f} s), started {started}", flush=True)
+        return resumed
 
     def outcome(self, directory: Directory) -> int | None:
         """The launcher's exit code once its work is done by another sign than trainer rank 0
@@ -677,10 +708,12 @@ class LocalLauncher:
                     _signal_group(p.popen, signal.SIGKILL)
                     p.popen.wait()
 
-    async def _restart_trainers(self, directory: Directory) -> None:
+    async def _restart_trainers(self, directory: Directory, world_size: int | None = None) -> Path | None:
         """The trainer group again, from the last complete checkpoint (or the start): stop
         every rank, rewind the buffer to the checkpoint, trim the metrics, start the ranks
-        as a new incarnation (the generators take its weights, older ones are refused)."""
+        as a new incarnation (the generators take its weights, older ones are refused).
+        ``world_size``: the new group's size (a re-planned run), its ranks on the plan's
+        slots. Returns the checkpoint."""
         ranks = [p for p in self.procs if p.role == "trainer"]
         for p in ranks:  # killed, not asked to stop: nothing of theirs is kept (a write in flight needed the dead rank too)
             if p.popen.poll() is None:
@@ -691,6 +724,8 @@ class LocalLauncher:
         checkpoint = latest_checkpoint(self.run_dir)
         print(f"yatt: restarting the trainer group from {checkpoint or 'the start'}", file=sys.stderr, flush=True)
         args = {"dir": str(checkpoint)} if checkpoint is not None else {}
+        if world_size is not None:
+            args["world_size"] = str(world_size)
         try:
             reply = await directory.request(
                 "buffer", Query(what="rewind", args=args), Ack,
@@ -702,9 +737,14 @@ class LocalLauncher:
         self.trainer_resume = checkpoint
         self.incarnation += 1
         self.master_port = self.rendezvous_port()
-        for p in ranks:
-            self.procs[self.procs.index(p)] = self._spawn("trainer", p.index, restarts=p.restarts + 1)
+        if world_size is None:
+            for p in ranks:
+                self.procs[self.procs.index(p)] = self._spawn("trainer", p.index, restarts=p.restarts + 1)
+        else:
+            self.procs = [p for p in self.procs if p.role != "trainer"]
+            self.procs += [self._spawn("trainer", index) for index in range(world_size)]
         print(f"yatt: buffer rewound to step {reply.info.get('step')}; trainer group incarnation {self.incarnation}", file=sys.stderr, flush=True)
+        return checkpoint
 
     async def _forget(self, procs: list[Proc]) -> None:
         """Drop the registry entries of processes seen to exit (a process on this machine:

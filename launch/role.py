@@ -95,13 +95,15 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
     from yatt.buffer import Buffer
 
     prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
+    plan = read_plan(args.run_dir)  # the trainer group's size may have changed in the run (re-planned)
+    ranks = len(plan.of("trainer")) if plan is not None and plan.of("trainer") else cfg.trainer.world_size
     actor = Buffer(
         transport,
         endpoint=f"tcp://{args.host}:*",
         config=cfg.buffer,
         num_prompts=len(prompts),
         num_shards=cfg.controller.num_controllers,
-        world_size=cfg.trainer.world_size,
+        world_size=ranks,
         seed=cfg.run.seed,
         ledger_path=args.run_dir / "ledger.db",
         resume_from=args.resume,
@@ -146,10 +148,10 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
 async def _reward(
     cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event, *, mix: RewardMix | None = None
 ) -> None:
-    from workers.reward import Reward, SlowDown
+    from workers.reward import Reward
 
     actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path),
-                   slow=SlowDown.from_env(Path(args.run_dir)), mix=mix)
+                   slow=trace.reward_slowdown(Path(args.run_dir)), mix=mix)
     await _serve(actor, args.registry, stop)
 
 

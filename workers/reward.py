@@ -11,17 +11,15 @@ always fails would otherwise train on zeros and look like a model that does not 
 
 ``reward/busy_s`` (its ``stats``) is the time the worker had at least one group to score:
 the launcher's re-planning reads the pool's busy time from it each step. ``YATT_SLOW_REWARD``
-injects a workload shift for tests and benchmarks (``SlowDown``).
+injects a workload shift for tests and benchmarks (``yatt.trace.reward_slowdown``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,46 +30,10 @@ from workers.scorers import RewardMix
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import RewardConfig
-from yatt.errors import ConfigError, ProtocolError, RunStopped
+from yatt.errors import ProtocolError, RunStopped
 from yatt.transport import Transport
 
 SLOW_ENV = trace.SLOW_REWARD_ENV
-
-
-@dataclass(frozen=True)
-class SlowDown:
-    """A judge turning slow mid-run, injected (``YATT_SLOW_REWARD=GROUPS:SECONDS``): once a
-    reward worker of the run has scored GROUPS groups, every reward worker of the run (a
-    restarted or newly started one too: a marker file in the run dir says so) takes SECONDS
-    longer per group, one group at a time, as a judge engine that serves one batch at a time."""
-
-    after_groups: int
-    seconds: float
-    marker: Path
-
-    @classmethod
-    def from_env(cls, run_dir: Path) -> SlowDown | None:
-        spec = os.environ.get(SLOW_ENV, "")
-        if not spec:
-            return None
-        try:
-            groups, seconds = spec.split(":")
-            slow = cls(int(groups), float(seconds), run_dir / "failpoints" / "slow_reward")
-        except ValueError:
-            slow = None
-        if slow is None or slow.after_groups < 0 or not slow.seconds >= 0:
-            raise ConfigError(f"{SLOW_ENV}={spec!r}: expected GROUPS:SECONDS (GROUPS >= 0, SECONDS >= 0), e.g. 40:0.5")
-        return slow
-
-    def active(self, scored: int) -> bool:
-        """Whether scoring is slow now, ``scored`` groups scored by this worker."""
-        if self.marker.exists():
-            return True
-        if scored >= self.after_groups:
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            self.marker.write_text(f"{time.time()}\n")
-            return True
-        return False
 
 
 def load_decoder(tokenizer_path: str) -> Callable[[list[int]], str]:
@@ -106,7 +68,7 @@ class Reward(Actor):
         config: RewardConfig,
         tokenizer_path: str,
         actor_id: str | None = None,
-        slow: SlowDown | None = None,
+        slow: trace.SlowDown | None = None,
         mix: RewardMix | None = None,
     ) -> None:
         """``mix``: the scorers, made already (``launch.role`` makes them before its first

@@ -166,6 +166,7 @@ class TrainerRank:
         )
         self._saving: tuple[Path, int, Future[None]] | None = None  # the checkpoint being written
         self._marking: asyncio.Task[None] | None = None  # rank 0: marks it done as soon as it is written
+        self._slow = trace.training_slowdown(run_dir)  # an injected workload shift (YATT_SLOW_TRAIN)
 
     @classmethod
     def create(
@@ -327,6 +328,8 @@ class TrainerRank:
             metrics = await asyncio.to_thread(self.trainer.train_step, iter(batch))
         else:
             metrics = await asyncio.to_thread(self.trainer.train_step, fetch())
+        if self._slow is not None and self._slow.active(step):  # the step's extra compute, split over the ranks
+            await asyncio.sleep(self._slow.seconds / self.trainer.world_size)
         train_s = time.perf_counter() - start
         await asyncio.to_thread(dist.all_reduce, staleness)
         sync_start = time.perf_counter()

@@ -52,7 +52,7 @@ from yatt.config import BufferConfig, EvalConfig
 from yatt.errors import ConfigError, ProtocolError, RunStopped, StorageError
 from yatt.evaluation import EvalRound, is_eval
 from yatt.ledger import Ledger
-from yatt.sampling import SamplingBuffer, step_report
+from yatt.sampling import SamplingBuffer, check_world_size, step_report
 from yatt.transport import Transport
 
 MARK_FILE = "buffer.json"
@@ -85,11 +85,14 @@ class Buffer(Actor):
         self.eval_config = eval_config or EvalConfig()
         self.evaluation: EvalRound | None = None  # the round being run, or the last one
         self.ledger = Ledger(ledger_path, group_commit=True)
+        self.buffer_config = config
+        self.world_size = world_size
+        """The trainer ranks the micro-batches are split for (a rewind can change it)."""
         self._new_core: Callable[[], SamplingBuffer] = lambda: SamplingBuffer(
             config,
             num_prompts=num_prompts,
             num_shards=num_shards,
-            world_size=world_size,
+            world_size=self.world_size,
             seed=seed,
             ledger=self.ledger,
             total_steps=total_steps,
@@ -284,6 +287,12 @@ class Buffer(Actor):
         if msg.what == "rewind":  # no dir: back to the start (no checkpoint yet)
             start = self._checkpoint_dir(msg) if msg.args.get("dir") else None
             mark = read_mark(start) if start is not None else 0
+            world_size = _count_arg(msg, "world_size", str(self.world_size))  # a new trainer group's size
+            try:
+                check_world_size(self.buffer_config, world_size)
+            except ConfigError as e:
+                raise ProtocolError(f"Query('rewind').args.world_size={world_size}: {e}") from e
+            self.world_size = world_size
             with self._ledger_writes():
                 self.ledger.rewind(mark, f"trainer restarted from {start or 'the start'}")
             self.core = self._rebuild()

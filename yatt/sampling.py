@@ -203,6 +203,16 @@ class Stats:
     rolled_back: int = 0
 
 
+def check_world_size(config: BufferConfig, world_size: int) -> None:
+    """Raise ``ConfigError`` unless a micro-batch wave splits evenly over ``world_size`` ranks."""
+    per_wave = config.groups_per_step // config.micro_batches_per_step * config.group_size
+    if world_size < 1 or per_wave % world_size:
+        raise ConfigError(
+            f"a micro-batch wave has {per_wave} samples (buffer.groups_per_step / micro_batches_per_step"
+            f" * group_size), which does not split evenly over {world_size} trainer ranks"
+        )
+
+
 class SamplingBuffer:
     """Decides what happens to every group, in the seeded prompt order."""
 
@@ -220,12 +230,7 @@ class SamplingBuffer:
         """``total_steps``: the run's length; nothing is dispatched or assembled past it."""
         if num_prompts < 1:
             raise ConfigError(f"the dataset has no prompts (num_prompts={num_prompts})")
-        per_wave = config.groups_per_step // config.micro_batches_per_step * config.group_size
-        if per_wave % world_size:
-            raise ConfigError(
-                f"a micro-batch wave has {per_wave} samples (buffer.groups_per_step / micro_batches_per_step"
-                f" * group_size), which does not split evenly over {world_size} trainer ranks"
-            )
+        check_world_size(config, world_size)
         self.config = config
         self.total_steps = total_steps
         self.world_size = world_size

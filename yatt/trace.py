@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -61,7 +62,61 @@ _sampler: threading.Thread | None = None
 
 FAILPOINT_ENV = "YATT_FAILPOINT"
 SLOW_REWARD_ENV = "YATT_SLOW_REWARD"
-"""A workload shift injected into the reward workers (``workers.reward.SlowDown``)."""
+"""A workload shift injected into the reward workers (``SlowDown``): ``GROUPS:SECONDS``."""
+SLOW_TRAIN_ENV = "YATT_SLOW_TRAIN"
+"""A workload shift injected into the trainer ranks (``SlowDown``): ``STEPS:SECONDS``."""
+
+
+@dataclass(frozen=True)
+class SlowDown:
+    """A stage turning slow mid-run, injected for tests and benchmarks by an environment
+    variable ``COUNT:SECONDS``: once a process of the run has done COUNT units of its work
+    (groups judged, steps trained), every process of that role (a restarted or newly started
+    one too: a marker file in the run dir, holding the time it began, says so) takes SECONDS
+    longer per unit."""
+
+    after: int
+    seconds: float
+    marker: Path
+
+    @classmethod
+    def from_env(cls, env: str, marker: Path, unit: str) -> SlowDown | None:
+        """The shift ``env`` asks for (None when unset); ``unit`` names COUNT in the error."""
+        spec = os.environ.get(env, "")
+        if not spec:
+            return None
+        try:
+            count, seconds = spec.split(":")
+            slow = cls(int(count), float(seconds), marker)
+        except ValueError:
+            slow = None
+        if slow is None or slow.after < 0 or not slow.seconds >= 0:
+            raise ConfigError(f"{env}={spec!r}: expected {unit}:SECONDS ({unit} >= 0, SECONDS >= 0), e.g. 40:0.5")
+        return slow
+
+    def active(self, done: int) -> bool:
+        """Whether the work is slow now, ``done`` units done by this process."""
+        if self.marker.exists():
+            return True
+        if done >= self.after:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(f"{time.time()}\n")
+            return True
+        return False
+
+
+def reward_slowdown(run_dir: Path) -> SlowDown | None:
+    """``YATT_SLOW_REWARD=GROUPS:SECONDS``: each group takes SECONDS longer to judge once a
+    reward worker has judged GROUPS (one group at a time, as a judge engine that serves one
+    batch at a time)."""
+    return SlowDown.from_env(SLOW_REWARD_ENV, run_dir / "failpoints" / "slow_reward", "GROUPS")
+
+
+def training_slowdown(run_dir: Path) -> SlowDown | None:
+    """``YATT_SLOW_TRAIN=STEPS:SECONDS``: from step STEPS on, each step's training takes
+    SECONDS longer, shared by the ranks (each sleeps SECONDS / world size): compute that more
+    ranks split, as longer completions would be."""
+    return SlowDown.from_env(SLOW_TRAIN_ENV, run_dir / "failpoints" / "slow_train", "STEPS")
 
 
 class _Failpoint:

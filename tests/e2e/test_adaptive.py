@@ -1,6 +1,8 @@
 """Re-planning inside a run, live: the judge of ``examples/adaptive_judge.yaml`` turns slow
 mid-run (injected: ``YATT_SLOW_REWARD``); the launcher moves a generator's slot to a second
-judge between two steps, without stopping the run, losing nothing."""
+judge between two steps, without stopping the run, losing nothing. Training turning slow
+(``YATT_SLOW_TRAIN``) gets a generator's slot as a second trainer rank, through a
+checkpoint and a resharded restore."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from launch.config import load_run_config
 from tests.e2e.test_loop import finish, metrics
 from tests.learning import assert_default_job_learned
 from workers.reward import SLOW_ENV
+from yatt.trace import SLOW_TRAIN_ENV
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,3 +66,56 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     # The ledger against the prompt order (two epochs): no group lost, none trained twice.
     out = audit(run_dir, load_run_config(EXAMPLE).run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated, out.steps_twice) == (0, 0, 0)
+
+
+def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> None:
+    """The default job on 4 slots, 3 generators and 1 trainer rank; from step 6 training
+    turns slow (``YATT_SLOW_TRAIN``: 1 s more a step, shared by the ranks). The replanner
+    moves a generator's slot to the trainer: the change waits for the next complete
+    checkpoint, the trainer group restarts from it with 2 ranks (DCP reshards the 1-rank
+    checkpoint), the buffer splits the micro-batches for 2, and nothing is lost."""
+    run_dir = tmp_path / "regroup"
+    log = (tmp_path / "regroup.launcher.log").open("ab")
+    items = ["placement.layout=disaggregated", "placement.cpu_slots=4", "run.num_generators=3", "trainer.world_size=1",
+             "trainer.checkpoint_every=4", "run.steps=20", "run.eval_every=0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, SLOW_TRAIN_ENV: "6:1.0"},
+    )  # fmt: skip
+    finish(proc, run_dir)
+    said = (tmp_path / "regroup.launcher.log").read_text()
+    decisions = [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    changes = [d for d in decisions if d["placement/changed"]]
+    assert len(changes) == 1 and "1 slots generate -> train" in changes[0]["reason"], [d["reason"] for d in decisions]
+    slow_since = float((run_dir / "failpoints" / "slow_train").read_text())
+    rows = metrics(run_dir)
+    assert len(rows) == 20 and [int(r["step"]) for r in rows] == list(range(20))
+    first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
+    assert changes[0]["step"] - 2 >= first_slow, (first_slow, [d["reason"] for d in decisions])
+    # Carried out through the first checkpoint after the decision: generator-2 stopped, the
+    # buffer rewound to it with the new world size, two ranks started from it.
+    resumed = int(said.split("trainer group 1 -> 2 ranks from step ")[1].split()[0])
+    assert resumed > changes[0]["step"], said[-3000:]
+    assert f"buffer rewound to step {resumed}; trainer group incarnation 1" in said, said[-3000:]
+    assert "stopped generator-2" in said and "exited with code" not in said, said[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())["assignments"]
+    assert sorted(a["index"] for a in plan if a["role"] == "trainer") == [0, 1]
+    assert len([a for a in plan if a["role"] == "generator"]) == 2
+    assert all(d["reason"].startswith("keep") for d in decisions if d["step"] > changes[0]["step"]), [d["reason"] for d in decisions]
+    # The ledger against the prompt order: no group lost, none trained twice; the step
+    # under way when the one-rank group stopped was trained again (at most that one).
+    out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
+    assert (out.lost, out.duplicated) == (0, 0) and out.steps_twice <= 1
+    # Resumed with more steps: the config's one rank restores the 2-rank checkpoint
+    # (resharded); the re-planner measures the new steps only (the resumed run's are decided).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "run", *[i for i in items if i != "run.steps=20"], "run.steps=24", "--resume", str(run_dir), "--run-dir", str(run_dir),
+         "--no-progress"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    finish(proc, run_dir)
+    decided = [json.loads(line)["step"] for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    assert decided == list(range(24)), decided
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(24))
+    out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
+    assert (out.lost, out.duplicated) == (0, 0)

@@ -9,9 +9,10 @@ import pytest
 
 from launch.adaptive import keep_places, moved
 from launch.config import load_run_config
-from workers.reward import SLOW_ENV, SlowDown
+from workers.reward import SLOW_ENV
 from yatt.errors import ConfigError
 from yatt.placement.layouts import Roles, assign, cpu_cluster, slot_share
+from yatt.trace import reward_slowdown
 
 GIB = 1 << 30
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "adaptive_judge.yaml"
@@ -50,13 +51,13 @@ def test_the_slow_judge_is_parsed_named_when_wrong_and_shared_by_a_marker(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(SLOW_ENV, raising=False)
-    assert SlowDown.from_env(tmp_path) is None
+    assert reward_slowdown(tmp_path) is None
     for bad in ("fast", "10", "10:x", "-1:0.5"):
         monkeypatch.setenv(SLOW_ENV, bad)
         with pytest.raises(ConfigError, match=f"{SLOW_ENV}={bad!r}: expected GROUPS:SECONDS"):
-            SlowDown.from_env(tmp_path)
+            reward_slowdown(tmp_path)
     monkeypatch.setenv(SLOW_ENV, "3:0.25")
-    first, joining = SlowDown.from_env(tmp_path), SlowDown.from_env(tmp_path)
+    first, joining = reward_slowdown(tmp_path), reward_slowdown(tmp_path)
     assert first is not None and joining is not None and first.seconds == 0.25
     assert not first.active(2) and not joining.active(0)
     assert first.active(3)  # the 3rd group judged: slow from now on, for every worker of the run
@@ -94,5 +95,10 @@ def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool
     adapter = launcher.make_adapter(ready_s=12.0)
     assert (adapter is not None) == replans
     if adapter is not None:
-        assert adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
-        assert adapter.replanner.switch.to_rollout_s == 12.0
+        assert not adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
+        assert adapter.replanner.switch.to_rollout_s == adapter.replanner.switch.reshard_s == 12.0
+        assert adapter.replanner.world_sizes == {1, 2, 4}  # a wave of 64 samples, 4 slots: no 3-rank group
+        without = LocalLauncher(load_run_config(EXAMPLE, [*items, "trainer.checkpoint_every=0"]), tmp_path)
+        without.plan = without.make_plan()
+        kept = without.make_adapter(ready_s=12.0)
+        assert kept is not None and kept.replanner.keep_trainers  # no checkpoint for a new trainer group

@@ -162,3 +162,13 @@ def test_keep_trainers_offers_only_moves_that_leave_the_trainer_ranks_in_place()
     # a generation-bound step would move slots to the generators from the trainer: not offered
     d = kept.observe(0, times(6.0, 1.5, reward=0.1))
     assert d.best is None or "train" not in d.best.what
+
+
+def test_world_sizes_leave_out_trainer_groups_the_micro_batches_cannot_split_over() -> None:
+    free = replanner(split(4, 4))
+    assert {len(m.plan.of("trainer")) for m in free.neighbours()} >= {2, 3, 5, 6}
+    even = replanner(split(4, 4), world_sizes=frozenset({2, 4, 8}))
+    sizes = {len(m.plan.of("trainer")) for m in even.neighbours()}
+    assert sizes <= {2, 4, 8} and 2 in sizes  # 4 -> 2 (and the generation moves that keep 4)
+    d = even.observe(0, times(6.0, 1.5))  # generation-bound: slots go from the trainer, to 2 ranks at most
+    assert d.best is not None and len(d.best.plan.of("trainer")) in (2, 4)

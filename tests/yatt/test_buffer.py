@@ -220,3 +220,22 @@ async def test_a_full_disk_closes_the_buffer_before_it_runs_ahead_of_its_ledger(
     restarted = make(transport, tmp_path)  # what it acknowledged is all the ledger has
     assert restarted.core.stats.accepted + sum(restarted.core.stats.filtered.values()) <= len(plan.keys)
     restarted.ledger.close()
+
+
+async def test_a_rewind_can_give_the_trainer_group_a_new_size(transport: Transport, tmp_path: Path) -> None:
+    """A re-planned run restarts its trainer group at another size: the rewind names it, the
+    buffer splits the micro-batches for it and refuses ranks of the old size; a size the
+    waves cannot split over is refused, naming the field, and changes nothing."""
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        with pytest.raises(RemoteError, match=r"args.world_size=3: .*does not split evenly over 3 trainer ranks"):
+            await client.request(Query(what="rewind", args={"world_size": "3"}), Ack)
+        assert buffer.world_size == buffer.core.world_size == 2
+        await client.request(Query(what="rewind", args={"world_size": "1"}), Ack)
+        assert buffer.world_size == buffer.core.world_size == 1
+        keys = [k for s in (0, 1) for k in buffer.core.plan(s)]
+        for key in sorted(keys, key=lambda k: buffer.core.position(k))[:2]:  # the first wave
+            await client.request(make_group(key, 0), Ack)
+        mb = await client.request(MicroBatchRequest(step=0, rank=0, world_size=1, index=0), MicroBatch)
+        assert mb.input_ids.shape[0] == 4, "one rank takes the whole wave (2 groups x 2 samples)"
+        with pytest.raises(RemoteError, match="runs with world size 2, the buffer with 1"):
+            await client.request(MicroBatchRequest(step=0, rank=1, world_size=2, index=0), MicroBatch)

@@ -24,7 +24,9 @@ boundary: slots that start serving (engine start and weight load), slots that st
 (checkpoint and resharded restore), whichever slots move (the others stay in place).
 Pure: the cluster simulator (``benchmarks/placement.py``) runs it in its loop, and so does
 a run's launcher (``launch/adaptive.py``, ``placement.adaptive``), which carries out the
-moves between generators and reward engines in place (``keep_trainers``).
+moves between generators, reward engines and trainer ranks (a new trainer group through a
+checkpoint; ``keep_trainers`` without one; ``world_sizes``: the group sizes its
+micro-batches split over).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def pools(plan: Plan) -> dict[str, int]:
     }
 
 
-def _trainer_slots(plan: Plan) -> tuple[tuple[int, ...], ...]:
+def trainer_slots(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """The slots of each trainer rank, in rank order."""
     return tuple(a.slots for a in plan.of("trainer"))
 
 
@@ -257,6 +260,7 @@ class Replanner:
         smoothing: float = 0.5,
         layouts: tuple[Layout, ...] = LAYOUTS,
         keep_trainers: bool = False,
+        world_sizes: frozenset[int] | None = None,
     ) -> None:
         assert margin >= 0 and patience >= 1 and horizon_steps >= 1 and 0 < smoothing <= 1
         self.plan = plan
@@ -267,6 +271,9 @@ class Replanner:
         self.keep_trainers = keep_trainers
         """Only neighbours with the trainer ranks on the same slots (what a run's executor
         carries out in place today: generators and reward engines joining or leaving)."""
+        self.world_sizes = world_sizes
+        """The trainer group sizes a neighbour may have (None: any): a run's micro-batches
+        split evenly over its ranks only."""
         self.streak = 0
         self.decisions: list[Decision] = []
         self._plans: dict[tuple[Layout, Roles], Plan | None] = {}
@@ -298,7 +305,9 @@ class Replanner:
             if option.generators < 1 or option.trainers < 1 or option.rewards < (1 if roles.reward_engines else 0):
                 continue
             plan = self._assign(to, option)
-            if plan is not None and self.keep_trainers and _trainer_slots(plan) != _trainer_slots(self.plan):
+            if plan is not None and self.keep_trainers and trainer_slots(plan) != trainer_slots(self.plan):
+                continue
+            if self.world_sizes is not None and option.trainers not in self.world_sizes:
                 continue
             move = self._move(plan, what) if plan is not None else None
             if move is not None and (what not in best_of or move.predicted_step_s < best_of[what].predicted_step_s):

@@ -145,15 +145,23 @@ class Adapter:
             acceptance=min(1.0, acceptance) if 0 < acceptance and math.isfinite(acceptance) else 1.0,
         )  # fmt: skip
 
+    def wait(self, step: int, times: StepTimes, reason: str) -> None:
+        """A step measured while a change waits to be carried out: written, not re-planned on."""
+        record: dict[str, Any] = {"step": step, "reason": reason, "placement/streak": 0.0, "placement/changed": 0.0}
+        self._write(record, times)
+
     def decide(self, step: int, times: StepTimes) -> Decision:
         """The replanner's decision after ``step``, written to ``placement.jsonl``."""
         decision = self.replanner.observe(step, times, steps_left=self.cfg.run.steps - step - 1)
         record: dict[str, Any] = {"step": step, "reason": decision.reason, **decision.metrics()}
+        if decision.changed:
+            record["plan"] = decision.plan.to_json()
+        self._write(record, times)
+        return decision
+
+    def _write(self, record: dict[str, Any], times: StepTimes) -> None:
         record["measured/generate_s"], record["measured/reward_s"] = times.generate_s, times.reward_s
         record["measured/train_s"] = times.train_s
         record.update({f"measured/{role}_busy_workers": n for role, n in self.busy_workers.items()})
-        if decision.changed:
-            record["plan"] = decision.plan.to_json()
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        return decision

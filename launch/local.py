@@ -277,6 +277,8 @@ class LocalLauncher:
         self._decisions: asyncio.Queue[dict[str, float]] = asyncio.Queue()
         self._next_plan: tuple[Plan, str, int] | None = None
         """A re-planned plan to carry out, why, and the step it was decided after."""
+        self._replan_from = checkpoint_step(resume) if resume is not None else 0
+        """The first step re-planned from: a resumed run's earlier ones were, by the run it resumed."""
         self.fork_server = ForkServer([*PRELOAD, *model_modules(cfg.model.path)]) if cfg.run.fork_roles else None
         """Where the roles on CPUs are forked from, warm (None: every role starts from its command line)."""
 
@@ -561,8 +563,6 @@ class LocalLauncher:
 
     async def _watch(self, directory: Directory, stop: asyncio.Event) -> int:
         progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.run.steps, enabled=self.show_progress)
-        if self.resume is not None:  # the steps before the checkpoint were measured (and re-planned) by the run resumed
-            progress.rewind(checkpoint_step(self.resume))
         group_restarts = 0
         last_step = time.monotonic()
         try:
@@ -573,10 +573,12 @@ class LocalLauncher:
                     last_step = time.monotonic()
                     if self.adapter is not None:  # measured by _replan, beside this loop
                         for line in progress.lines:
-                            self._decisions.put_nowait(line)
-                if self._next_plan is not None and self._plan_can_go(*self._next_plan):
-                    resumed = await self._apply_plan(directory, self._next_plan[0], self._next_plan[1])
-                    self._next_plan = None
+                            if line["step"] >= self._replan_from:
+                                self._decisions.put_nowait(line)
+                pending = self._next_plan
+                if pending is not None and self._plan_can_go(*pending):
+                    self._next_plan = None  # (a decision made while this one is carried out is kept)
+                    resumed = await self._apply_plan(directory, pending[0], pending[1])
                     if resumed is not None:  # the trainer group restarted at its new size
                         progress.rewind(resumed)
                         last_step = time.monotonic()
@@ -638,6 +640,10 @@ class LocalLauncher:
                 times = await self.adapter.measure(directory, line)
                 if times is None:
                     continue
+                if (pending := self._next_plan) is not None and self.plan is not None and moves_trainers(self.plan, pending[0]):
+                    # The old group still trains: its times would be credited to the new plan.
+                    self.adapter.wait(int(line["step"]), times, f"wait for a checkpoint after step {pending[2]}: {pending[1]}")
+                    continue
                 decision = self.adapter.decide(int(line["step"]), times)
             except Exception as e:  # the run goes on with its plan; the next step re-plans
                 print(f"yatt: re-planning after step {int(line['step'])} failed ({e!r}); the plan stays", file=sys.stderr, flush=True)
@@ -651,10 +657,16 @@ class LocalLauncher:
         the first complete one after the step it was decided after (nothing trained is
         thrown away but the step under way)."""
         assert self.plan is not None
-        if trainer_slots(plan) == trainer_slots(self.plan):
+        if not moves_trainers(self.plan, plan):
             return True
         checkpoint = latest_checkpoint(self.run_dir)
-        return checkpoint is not None and checkpoint_step(checkpoint) > step
+        if checkpoint is None or checkpoint_step(checkpoint) <= step:
+            return False
+        if checkpoint_step(checkpoint) >= self.cfg.run.steps:  # the run's last: nothing left to train
+            self._next_plan = None
+            print(f"yatt: placement: the run ended before its next checkpoint; not carried out: {reason}", flush=True)
+            return False
+        return True
 
     async def _apply_plan(self, directory: Directory, plan: Plan, reason: str) -> int | None:
         """Carry out a re-planned ``plan`` between two steps (``launch.adaptive``): the leaving
@@ -665,9 +677,13 @@ class LocalLauncher:
         assert self.plan is not None
         plan = keep_places(self.plan, plan)
         stop, start = moved(self.plan, plan)
-        regroup = trainer_slots(plan) != trainer_slots(self.plan)
-        leaving = [p for p in self.procs if (p.role, p.index) in stop]
+        regroup = moves_trainers(self.plan, plan)
         began = time.monotonic()
+        if regroup:  # the ranks first: what they train after the checkpoint is thrown away
+            for p in self.procs:
+                if p.role == "trainer" and p.popen.poll() is None:
+                    _signal_group(p.popen, signal.SIGKILL)
+        leaving = [p for p in self.procs if (p.role, p.index) in stop]
         await self._stop(leaving)
         await self._forget(leaving)
         for p in leaving:
@@ -778,6 +794,11 @@ class LocalLauncher:
                 print(f"yatt: {p.name} did not stop within {GRACE_S:g} s of SIGTERM; killing it (its log: {p.log})", file=sys.stderr, flush=True)
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+
+
+def moves_trainers(old: Plan, new: Plan) -> bool:
+    """Whether going from ``old`` to ``new`` moves the trainer ranks (a new trainer group)."""
+    return trainer_slots(old) != trainer_slots(new)
 
 
 def checkpoint_step(checkpoint: Path) -> int:

@@ -292,10 +292,14 @@ class Buffer(Actor):
                 check_world_size(self.buffer_config, world_size)
             except ConfigError as e:
                 raise ProtocolError(f"Query('rewind').args.world_size={world_size}: {e}") from e
-            self.world_size = world_size
-            with self._ledger_writes():
-                self.ledger.rewind(mark, f"trainer restarted from {start or 'the start'}")
-            self.core = self._rebuild()
+            previous, self.world_size = self.world_size, world_size
+            try:
+                with self._ledger_writes():
+                    self.ledger.rewind(mark, f"trainer restarted from {start or 'the start'}")
+                self.core = self._rebuild()
+            except BaseException:
+                self.world_size = previous
+                raise
             await self._notify()
             return Ack(info={"step": str(self.core.step)})
         if msg.what == "evaluate":

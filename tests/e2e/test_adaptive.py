@@ -102,7 +102,10 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     plan = json.loads((run_dir / "plan.json").read_text())["assignments"]
     assert sorted(a["index"] for a in plan if a["role"] == "trainer") == [0, 1]
     assert len([a for a in plan if a["role"] == "generator"]) == 2
-    assert all(d["reason"].startswith("keep") for d in decisions if d["step"] > changes[0]["step"]), [d["reason"] for d in decisions]
+    # Until it was carried out, the steps the old group trained were logged, not re-planned on.
+    later = [d for d in decisions if d["step"] > changes[0]["step"]]
+    assert all(d["reason"].startswith("keep") or (d["reason"].startswith("wait for a checkpoint after step")
+                                                  and d["step"] <= resumed) for d in later), [d["reason"] for d in later]
     # The ledger against the prompt order: no group lost, none trained twice; the step
     # under way when the one-rank group stopped was trained again (at most that one).
     out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
@@ -115,7 +118,7 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     )  # fmt: skip
     finish(proc, run_dir)
     decided = [json.loads(line)["step"] for line in (run_dir / "placement.jsonl").read_text().splitlines()]
-    assert decided == list(range(24)), decided
+    assert set(decided[: len(decisions)]) == set(range(20)) and decided[len(decisions) :] == [20, 21, 22, 23], decided
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(24))
     out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated) == (0, 0)

@@ -20,7 +20,8 @@ after the step it was decided after; then the launcher stops the leaving engines
 the trainer ranks, rewinds the buffer to the checkpoint with the new world size (it splits
 the micro-batches for it), and starts the new group from the checkpoint (DCP reshards the
 weights and optimizer state on load) as a new incarnation; the step under way when the
-ranks die is trained again. Without checkpoints (``trainer.checkpoint_every=0``) the
+ranks die is trained again; only the steps after that checkpoint count towards paying for
+the move (``Replanner(checkpoint_every=...)``). Without checkpoints (``trainer.checkpoint_every=0``) the
 trainer ranks stay where they are (``keep_trainers``). A layout change is not considered
 in a run (the cluster simulator considers them). The switch costs are this run's own: its
 start to READY (every role: an upper bound for one joining process, and for a new trainer
@@ -107,6 +108,7 @@ class Adapter:
             patience=cfg.placement.adaptive_patience, layouts=(plan.layout,),
             keep_trainers=cfg.trainer.checkpoint_every == 0,  # a new trainer group starts from a checkpoint
             world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
+            checkpoint_every=cfg.trainer.checkpoint_every,  # a trainer move waits for the next one
         )  # fmt: skip
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
         self.busy_workers = {role: 0 for role in BUSY_KEYS}

@@ -98,6 +98,7 @@ def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool
         assert not adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
         assert adapter.replanner.switch.to_rollout_s == adapter.replanner.switch.reshard_s == 12.0
         assert adapter.replanner.world_sizes == {1, 2, 4}  # a wave of 64 samples, 4 slots: no 3-rank group
+        assert adapter.replanner.checkpoint_every == 20  # a trainer move waits for the next checkpoint
         without = LocalLauncher(load_run_config(EXAMPLE, [*items, "trainer.checkpoint_every=0"]), tmp_path)
         without.plan = without.make_plan()
         kept = without.make_adapter(ready_s=12.0)

@@ -261,6 +261,7 @@ class Replanner:
         layouts: tuple[Layout, ...] = LAYOUTS,
         keep_trainers: bool = False,
         world_sizes: frozenset[int] | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         assert margin >= 0 and patience >= 1 and horizon_steps >= 1 and 0 < smoothing <= 1
         self.plan = plan
@@ -272,6 +273,10 @@ class Replanner:
         """Only neighbours with the trainer ranks on the same slots (what a run's executor
         carries out in place today: generators and reward engines joining or leaving)."""
         self.world_sizes = world_sizes
+        self.checkpoint_every = checkpoint_every
+        """A move of the trainer's slots is carried out at the first checkpoint after its
+        decision (a run's executor; 0: at once, as in the simulator): the steps until then
+        do not count towards paying for it."""
         """The trainer group sizes a neighbour may have (None: any): a run's micro-batches
         split evenly over its ranks only."""
         self.streak = 0
@@ -324,16 +329,27 @@ class Replanner:
                 self._plans[key] = None
         return self._plans[key]
 
+    def _wait(self, step: int) -> int:
+        """Steps from the end of ``step`` to the first checkpoint after it (``checkpoint_every``)."""
+        if not self.checkpoint_every:
+            return 0
+        return (step // self.checkpoint_every + 1) * self.checkpoint_every - (step + 1)
+
     def observe(self, step: int, times: StepTimes, *, steps_left: int | None = None) -> Decision:
         """Take step ``step``'s measurements; return the plan for the next step and why."""
         measured = costs_from_times(times, self.costs, self.workload, self.plan)
         self.costs = smooth(self.costs, measured, self.smoothing) if self.decisions else measured
         current = predict(self.plan, self.cluster, self.sizes, self.costs, self.workload).step_s
         horizon = self.horizon_steps if steps_left is None else min(self.horizon_steps, steps_left)
-        passing = [m for m in self.neighbours()
-                   if current - m.predicted_step_s > self.margin * current
-                   and (current - m.predicted_step_s) * horizon > m.switch_s]
-        pick = max(passing, key=lambda m: (current - m.predicted_step_s) * horizon - m.switch_s, default=None)
+
+        def paying(m: Move) -> int:  # the steps that pay for a move: a trainer move's start after its checkpoint
+            return horizon - (self._wait(step) if trainer_slots(m.plan) != trainer_slots(self.plan) else 0)
+
+        def net(m: Move) -> float:  # what the move wins over those steps, less its switch
+            return (current - m.predicted_step_s) * paying(m) - m.switch_s
+
+        passing = [m for m in self.neighbours() if current - m.predicted_step_s > self.margin * current and net(m) > 0]
+        pick = max(passing, key=net, default=None)
         self.streak = self.streak + 1 if pick else 0
         changed = pick is not None and self.streak >= self.patience
         if pick is None:
@@ -342,7 +358,7 @@ class Replanner:
             gain = current - pick.predicted_step_s
             verb = "change" if changed else f"hold ({self.streak}/{self.patience})"
             reason = (f"{verb}: {pick.what}, predicted {current:.3g} -> {pick.predicted_step_s:.3g} s/step "
-                      f"(gain {gain:.3g} s x {horizon} steps vs switch {pick.switch_s:.3g} s)")
+                      f"(gain {gain:.3g} s x {paying(pick)} steps vs switch {pick.switch_s:.3g} s)")
         decision = Decision(step=step, plan=pick.plan if changed and pick else self.plan, changed=changed,
                             predicted_step_s=current, best=pick, streak=self.streak, reason=reason)
         if changed:

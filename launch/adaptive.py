@@ -15,14 +15,15 @@ when the plan changes, the launcher carries it out in place (``LocalLauncher``):
     write plan.json          the joining processes read their slots from it
     start the joining ones   they register and the controllers' pools grow
 
-A move of the trainer's slots (a new world size) waits for the first complete checkpoint
-after the step it was decided after; then the launcher stops the leaving engines, kills
-the trainer ranks, rewinds the buffer to the checkpoint with the new world size (it splits
-the micro-batches for it), and starts the new group from the checkpoint (DCP reshards the
-weights and optimizer state on load) as a new incarnation; the step under way when the
-ranks die is trained again; only the steps after that checkpoint count towards paying for
-the move (``Replanner(checkpoint_every=...)``). Without checkpoints (``trainer.checkpoint_every=0``) the
-trainer ranks stay where they are (``keep_trainers``). A layout change is not considered
+A move of the trainer's slots (a new world size) goes through a checkpoint: the launcher
+asks the trainer group for one (``yatt.checkpoints``; with or without
+``trainer.checkpoint_every``), written at the end of the step under way, and waits for
+the first complete checkpoint after the step it was decided after; then it stops the
+leaving engines, kills the trainer ranks, rewinds the buffer to the checkpoint with the
+new world size (it splits the micro-batches for it), and starts the new group from the
+checkpoint (DCP reshards the weights and optimizer state on load) as a new incarnation;
+the step under way when the ranks die is trained again; only the steps after that
+checkpoint count towards paying for the move (``Replanner(trainer_wait_steps=1)``). A layout change is not considered
 in a run (the cluster simulator considers them). The switch costs are this run's own: its
 start to READY (every role: an upper bound for one joining process, and for a new trainer
 group), and about a second to stop one (``LocalLauncher.make_adapter``).
@@ -106,9 +107,8 @@ class Adapter:
             plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
             workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
             patience=cfg.placement.adaptive_patience, layouts=(plan.layout,),
-            keep_trainers=cfg.trainer.checkpoint_every == 0,  # a new trainer group starts from a checkpoint
             world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
-            checkpoint_every=cfg.trainer.checkpoint_every,  # a trainer move waits for the next one
+            trainer_wait_steps=1,  # a trainer move waits for the checkpoint it asks for: the step under way
         )  # fmt: skip
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
         self.busy_workers = {role: 0 for role in BUSY_KEYS}

@@ -48,6 +48,7 @@ from launch.placement import describe, make_plan, write_plan
 from launch.plan import BUILTIN_TINY, this_machine
 from protocols.messages import Ack, Query
 from yatt import trace
+from yatt.checkpoints import ask_for_checkpoint, withdraw_checkpoint_request
 from yatt.errors import (
     RUN_STOPPED_EXIT,
     ActorFailed,
@@ -389,6 +390,7 @@ class LocalLauncher:
             self.registry_endpoint = await registry.start()
             try:
                 self.master_port = self.rendezvous_port()
+                withdraw_checkpoint_request(self.run_dir)  # a resumed run's: its change was not carried out
                 async with Directory(transport, self.registry_endpoint, name="launcher") as directory:
                     started = time.monotonic()
                     for role, count in self.processes().items():
@@ -650,12 +652,14 @@ class LocalLauncher:
                 continue
             if decision.changed:
                 self._next_plan = (decision.plan, decision.reason, int(line["step"]))
+                if self.plan is not None and moves_trainers(self.plan, decision.plan):
+                    ask_for_checkpoint(self.run_dir, int(line["step"]))  # the new group starts from it
 
     def _plan_can_go(self, plan: Plan, reason: str, step: int) -> bool:
         """Whether a re-planned ``plan`` can be carried out now: at once when the trainer ranks
         keep their slots; a new trainer group goes through a checkpoint, so it waits for
-        the first complete one after the step it was decided after (nothing trained is
-        thrown away but the step under way)."""
+        the first complete one after the step it was decided after (the one it asked for,
+        or a periodic one: nothing trained is thrown away but the step under way)."""
         assert self.plan is not None
         if not moves_trainers(self.plan, plan):
             return True
@@ -664,6 +668,7 @@ class LocalLauncher:
             return False
         if checkpoint_step(checkpoint) >= self.cfg.run.steps:  # the run's last: nothing left to train
             self._next_plan = None
+            withdraw_checkpoint_request(self.run_dir)
             print(f"yatt: placement: the run ended before its next checkpoint; not carried out: {reason}", flush=True)
             return False
         return True
@@ -692,6 +697,7 @@ class LocalLauncher:
         write_plan(plan, self.run_dir)
         resumed = None
         if regroup:
+            withdraw_checkpoint_request(self.run_dir)
             checkpoint = await self._restart_trainers(directory, world_size=len(plan.of("trainer")))
             resumed = checkpoint_step(checkpoint) if checkpoint is not None else 0
         for role, index in start:

@@ -7,7 +7,8 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
     Trainer.weight_buckets(k+1)                 (collective; rank 0 gets the full tensors)
     rank 0: WeightUpdate buckets -> every generator, waits for their Acks
             PolicyVersion(k+1)   -> buffer (re-opens the dispatch window when on-policy)
-    every trainer.checkpoint_every steps and at the end: DCP checkpoint of step k+1 into
+    every trainer.checkpoint_every steps, at the end and when the launcher asks
+    (yatt.checkpoints: a re-planned trainer group): DCP checkpoint of step k+1 into
             checkpoints/step_{k+1} (copied now, written in the background:
             trainer.checkpoint_async), the buffer's ledger mark beside it; rank 0 writes its
             ``done`` marker the moment the write ends
@@ -70,6 +71,7 @@ from workers.run_log import RunLog
 from workers.trainer import Trainer
 from yatt import trace
 from yatt.actor import Actor, handles
+from yatt.checkpoints import asked_for_checkpoint
 from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
 from yatt.registry import Directory
@@ -167,6 +169,7 @@ class TrainerRank:
         self._saving: tuple[Path, int, Future[None]] | None = None  # the checkpoint being written
         self._marking: asyncio.Task[None] | None = None  # rank 0: marks it done as soon as it is written
         self._slow = trace.training_slowdown(run_dir)  # an injected workload shift (YATT_SLOW_TRAIN)
+        self._checkpointed = trainer.step  # the version of the group's last checkpoint (or its start)
 
     @classmethod
     def create(
@@ -295,8 +298,9 @@ class TrainerRank:
         step = self.trainer.step
         loop = asyncio.get_running_loop()
         wait = [0.0]
-        # [sum of staleness, samples, tokens], on the rank's device: NCCL reduces no CPU tensor
-        staleness = torch.zeros(3, dtype=torch.float64, device=self.trainer.device)
+        # [sum of staleness, samples, tokens, a checkpoint asked for (rank 0's read, so that
+        # every rank saves the same step)], on the rank's device: NCCL reduces no CPU tensor
+        staleness = torch.zeros(4, dtype=torch.float64, device=self.trainer.device)
         count = self.cfg.micro_batches_per_step
         turns = self.layout in ("colocated", "partial")  # engines and training share slots
 
@@ -309,7 +313,7 @@ class TrainerRank:
             wait[0] += time.perf_counter() - start
             real = mb.loss_mask.any(dim=1)
             staleness.add_(torch.tensor(
-                [float((step - mb.policy_versions[real]).sum()), float(real.sum()), float(mb.loss_mask.sum())],
+                [float((step - mb.policy_versions[real]).sum()), float(real.sum()), float(mb.loss_mask.sum()), 0.0],
                 dtype=torch.float64, device=staleness.device,
             ))
             return mb
@@ -331,6 +335,8 @@ class TrainerRank:
         if self._slow is not None and self._slow.active(step):  # the step's extra compute, split over the ranks
             await asyncio.sleep(self._slow.seconds / self.trainer.world_size)
         train_s = time.perf_counter() - start
+        if self.rank == 0 and self._checkpoint_asked():
+            staleness[3] = 1.0
         await asyncio.to_thread(dist.all_reduce, staleness)
         sync_start = time.perf_counter()
         version = self.trainer.step
@@ -348,7 +354,7 @@ class TrainerRank:
         sync_s = time.perf_counter() - sync_start
         ckpt_start = time.perf_counter()
         every = self.cfg.trainer.checkpoint_every
-        if (every and version % every == 0) or version == self.cfg.steps:
+        if (every and version % every == 0) or version == self.cfg.steps or float(staleness[3]) > 0:
             with trace.span("checkpoint"):
                 await self._checkpoint(buffer, version)
         else:
@@ -391,6 +397,12 @@ class TrainerRank:
             await asyncio.to_thread(self._log.rollouts, step, report.groups)
         if self._eval_due(version):
             await self._evaluate(buffer, version)
+
+    def _checkpoint_asked(self) -> bool:
+        """Rank 0: whether the launcher asks for a checkpoint (``yatt.checkpoints``) that
+        this group has not written: none of a version after the step it was asked after."""
+        after = asked_for_checkpoint(self.run_dir)
+        return after is not None and self._checkpointed <= after
 
     def _eval_due(self, version: int) -> bool:
         """Evaluate the weights of ``version``: before the first step, every eval_every, after the last."""
@@ -466,6 +478,7 @@ class TrainerRank:
         # step would otherwise never be marked (its write outlasts a step).
         await self._mark_written(wait=True)
         directory = self.run_dir / "checkpoints" / f"step_{version}"
+        self._checkpointed = version
         background = self.cfg.trainer.checkpoint_async and version < self.cfg.steps
         writing = await asyncio.to_thread(self.trainer.save_checkpoint, directory / "trainer", background=background)
         if self.cfg.trainer.checkpoint_hf:

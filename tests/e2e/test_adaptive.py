@@ -71,13 +71,14 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
 def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> None:
     """The default job on 4 slots, 3 generators and 1 trainer rank; from step 6 training
     turns slow (``YATT_SLOW_TRAIN``: 1 s more a step, shared by the ranks). The replanner
-    moves a generator's slot to the trainer: the change waits for the next complete
-    checkpoint, the trainer group restarts from it with 2 ranks (DCP reshards the 1-rank
-    checkpoint), the buffer splits the micro-batches for 2, and nothing is lost."""
+    moves a generator's slot to the trainer: no periodic checkpoint (``checkpoint_every=0``),
+    the launcher asks for one, written at the end of the step under way; the trainer group
+    restarts from it with 2 ranks (DCP reshards the 1-rank checkpoint), the buffer splits
+    the micro-batches for 2, and nothing is lost."""
     run_dir = tmp_path / "regroup"
     log = (tmp_path / "regroup.launcher.log").open("ab")
     items = ["placement.layout=disaggregated", "placement.cpu_slots=4", "run.num_generators=3", "trainer.world_size=1",
-             "trainer.checkpoint_every=4", "run.steps=20", "run.eval_every=0"]
+             "trainer.checkpoint_every=0", "run.steps=20", "run.eval_every=0"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -93,10 +94,14 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     assert len(rows) == 20 and [int(r["step"]) for r in rows] == list(range(20))
     first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
     assert changes[0]["step"] - 2 >= first_slow, (first_slow, [d["reason"] for d in decisions])
-    # Carried out through the first checkpoint after the decision: generator-2 stopped, the
+    # Carried out through the checkpoint it asked for, of the step under way (the next, or
+    # the one after when the ask came as rank 0 had looked): generator-2 stopped, the
     # buffer rewound to it with the new world size, two ranks started from it.
     resumed = int(said.split("trainer group 1 -> 2 ranks from step ")[1].split()[0])
-    assert resumed > changes[0]["step"], said[-3000:]
+    assert changes[0]["step"] + 2 <= resumed <= changes[0]["step"] + 3, (changes[0]["step"], said[-3000:])
+    assert not (run_dir / "checkpoint_request").exists(), "the ask was withdrawn once served"
+    checkpoints = sorted(int(d.name[5:]) for d in (run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints == [resumed, 20], checkpoints  # the asked one and the last: no other
     assert f"buffer rewound to step {resumed}; trainer group incarnation 1" in said, said[-3000:]
     assert "stopped generator-2" in said and "exited with code" not in said, said[-3000:]
     plan = json.loads((run_dir / "plan.json").read_text())["assignments"]

@@ -98,8 +98,26 @@ def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool
         assert not adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
         assert adapter.replanner.switch.to_rollout_s == adapter.replanner.switch.reshard_s == 12.0
         assert adapter.replanner.world_sizes == {1, 2, 4}  # a wave of 64 samples, 4 slots: no 3-rank group
-        assert adapter.replanner.checkpoint_every == 20  # a trainer move waits for the next checkpoint
+        assert adapter.replanner.trainer_wait_steps == 1  # a trainer move waits for the checkpoint it asks for
         without = LocalLauncher(load_run_config(EXAMPLE, [*items, "trainer.checkpoint_every=0"]), tmp_path)
         without.plan = without.make_plan()
-        kept = without.make_adapter(ready_s=12.0)
-        assert kept is not None and kept.replanner.keep_trainers  # no checkpoint for a new trainer group
+        asked = without.make_adapter(ready_s=12.0)
+        assert asked is not None and not asked.replanner.keep_trainers  # the checkpoint is asked for
+
+
+def test_a_checkpoint_ask_is_read_back_withdrawn_and_a_foreign_file_ignored(tmp_path: Path) -> None:
+    from yatt.checkpoints import (
+        REQUEST_FILE,
+        ask_for_checkpoint,
+        asked_for_checkpoint,
+        withdraw_checkpoint_request,
+    )
+
+    assert asked_for_checkpoint(tmp_path) is None
+    ask_for_checkpoint(tmp_path, 7)
+    assert asked_for_checkpoint(tmp_path) == 7 and [p.name for p in tmp_path.iterdir()] == [REQUEST_FILE]
+    withdraw_checkpoint_request(tmp_path)
+    withdraw_checkpoint_request(tmp_path)  # twice: nothing to withdraw is no error
+    assert asked_for_checkpoint(tmp_path) is None
+    (tmp_path / REQUEST_FILE).write_text("soon")  # not the launcher's: the periodic checkpoints go on
+    assert asked_for_checkpoint(tmp_path) is None

@@ -175,19 +175,22 @@ def test_world_sizes_leave_out_trainer_groups_the_micro_batches_cannot_split_ove
 
 
 def test_a_trainer_move_is_paid_for_by_the_steps_after_the_checkpoint_it_waits_for() -> None:
-    """A run carries out a move of the trainer's slots at the first checkpoint after its
-    decision: the steps until then do not pay for it."""
+    """A run carries out a move of the trainer's slots at the checkpoint it asks for, after
+    the step under way: the steps until then do not pay for it; the other moves wait for
+    nothing."""
     at_once = replanner(split(4, 4), patience=1, horizon_steps=20)
     d = at_once.observe(0, times(6.0, 1.5))
     assert d.changed and d.best is not None and "train -> generate" in d.best.what
     gain = d.predicted_step_s - d.best.predicted_step_s
     assert "x 20 steps" in d.reason
-    for every, waits in ((2, 1), (10, 9), (100, 99)):
-        r = replanner(split(4, 4), patience=1, horizon_steps=20, checkpoint_every=every)
+    for waits in (1, 4, 9):
+        r = replanner(split(4, 4), patience=1, horizon_steps=20, trainer_wait_steps=waits)
         r.switch = SwitchCosts(to_rollout_s=0.0, to_train_s=0.0, reshard_s=gain * 15)  # paid by 15 steps of gain
-        d = r.observe(0, times(6.0, 1.5))  # after step 0: the next checkpoint ends step 1, 9 or 99
-        assert d.changed == (20 - waits > 15), (every, d.reason)
+        d = r.observe(0, times(6.0, 1.5))
+        assert d.changed == (20 - waits > 15), (waits, d.reason)
         if d.best is not None and "train" in d.best.what:
             assert f"x {20 - waits} steps" in d.reason
-    assert replanner(split(4, 4), patience=1, horizon_steps=20, checkpoint_every=1)._wait(0) == 0
-    assert replanner(split(4, 4), patience=1, horizon_steps=20, checkpoint_every=4)._wait(8) == 3  # 9, 10, 11: step_12
+    judge = replanner(split(2, 4, rewards=2, engines=True), patience=1, horizon_steps=20, trainer_wait_steps=9,
+                      keep_trainers=True)
+    d = judge.observe(0, times(1.0, 1.5, reward=4.0))  # judging-bound: a generator's slot to the judges
+    assert d.changed and d.best is not None and d.best.what == "1 slots generate -> reward" and "x 20 steps" in d.reason

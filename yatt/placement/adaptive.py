@@ -25,8 +25,8 @@ boundary: slots that start serving (engine start and weight load), slots that st
 Pure: the cluster simulator (``benchmarks/placement.py``) runs it in its loop, and so does
 a run's launcher (``launch/adaptive.py``, ``placement.adaptive``), which carries out the
 moves between generators, reward engines and trainer ranks (a new trainer group through a
-checkpoint; ``keep_trainers`` without one; ``world_sizes``: the group sizes its
-micro-batches split over).
+checkpoint it asks for, ``trainer_wait_steps``; ``keep_trainers``: the trainer ranks stay;
+``world_sizes``: the group sizes its micro-batches split over).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class Replanner:
         layouts: tuple[Layout, ...] = LAYOUTS,
         keep_trainers: bool = False,
         world_sizes: frozenset[int] | None = None,
-        checkpoint_every: int = 0,
+        trainer_wait_steps: int = 0,
     ) -> None:
         assert margin >= 0 and patience >= 1 and horizon_steps >= 1 and 0 < smoothing <= 1
         self.plan = plan
@@ -273,12 +273,12 @@ class Replanner:
         """Only neighbours with the trainer ranks on the same slots (what a run's executor
         carries out in place today: generators and reward engines joining or leaving)."""
         self.world_sizes = world_sizes
-        self.checkpoint_every = checkpoint_every
-        """A move of the trainer's slots is carried out at the first checkpoint after its
-        decision (a run's executor; 0: at once, as in the simulator): the steps until then
-        do not count towards paying for it."""
         """The trainer group sizes a neighbour may have (None: any): a run's micro-batches
         split evenly over its ranks only."""
+        self.trainer_wait_steps = trainer_wait_steps
+        """Steps a move of the trainer's slots waits after its decision (a run's executor:
+        1, the step under way ends with the checkpoint the new group starts from; 0: at
+        once, as in the simulator): they do not count towards paying for it."""
         self.streak = 0
         self.decisions: list[Decision] = []
         self._plans: dict[tuple[Layout, Roles], Plan | None] = {}
@@ -329,12 +329,6 @@ class Replanner:
                 self._plans[key] = None
         return self._plans[key]
 
-    def _wait(self, step: int) -> int:
-        """Steps from the end of ``step`` to the first checkpoint after it (``checkpoint_every``)."""
-        if not self.checkpoint_every:
-            return 0
-        return (step // self.checkpoint_every + 1) * self.checkpoint_every - (step + 1)
-
     def observe(self, step: int, times: StepTimes, *, steps_left: int | None = None) -> Decision:
         """Take step ``step``'s measurements; return the plan for the next step and why."""
         measured = costs_from_times(times, self.costs, self.workload, self.plan)
@@ -343,7 +337,7 @@ class Replanner:
         horizon = self.horizon_steps if steps_left is None else min(self.horizon_steps, steps_left)
 
         def paying(m: Move) -> int:  # the steps that pay for a move: a trainer move's start after its checkpoint
-            return horizon - (self._wait(step) if trainer_slots(m.plan) != trainer_slots(self.plan) else 0)
+            return horizon - (self.trainer_wait_steps if trainer_slots(m.plan) != trainer_slots(self.plan) else 0)
 
         def net(m: Move) -> float:  # what the move wins over those steps, less its switch
             return (current - m.predicted_step_s) * paying(m) - m.switch_s

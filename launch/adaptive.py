@@ -23,10 +23,13 @@ leaving engines, kills the trainer ranks, rewinds the buffer to the checkpoint w
 new world size (it splits the micro-batches for it), and starts the new group from the
 checkpoint (DCP reshards the weights and optimizer state on load) as a new incarnation;
 the step under way when the ranks die is trained again; only the steps after that
-checkpoint count towards paying for the move (``Replanner(trainer_wait_steps=1)``). A layout change is not considered
-in a run (the cluster simulator considers them). The switch costs are this run's own: its
-start to READY (every role: an upper bound for one joining process, and for a new trainer
-group), and about a second to stop one (``LocalLauncher.make_adapter``).
+checkpoint count towards paying for the move (``Replanner(trainer_wait_steps=1)``). A
+layout change between disaggregated and colocated (``RUN_LAYOUTS``) is the same regroup:
+the new ranks host engines or not as ``plan.json`` says, and the generator processes of
+the old plan stop or those of the new one start (partial plans: the simulator). The
+switch costs are this run's own: its start to READY (every role: an upper bound for one
+joining process, and for a new trainer group), and about a second to stop one
+(``LocalLauncher.make_adapter``).
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ from protocols.messages import Metrics, Query
 from yatt.config import BufferConfig
 from yatt.errors import ConfigError, YattError
 from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
-from yatt.placement.plan import Assignment, ClusterSpec, Plan
+from yatt.placement.plan import Assignment, ClusterSpec, Layout, Plan
 from yatt.registry import Directory
 from yatt.sampling import check_world_size
 
 DECISIONS_FILE = "placement.jsonl"
+RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
+"""The layouts a run re-plans between (a partial plan's engines sleep and wake with the
+trainer's steps: the simulator re-plans those)."""
 BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
 """The cumulative busy seconds each pool's workers report in their stats."""
 
@@ -106,7 +112,8 @@ class Adapter:
         self.replanner = Replanner(
             plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
             workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
-            patience=cfg.placement.adaptive_patience, layouts=(plan.layout,),
+            patience=cfg.placement.adaptive_patience,
+            layouts=RUN_LAYOUTS if cfg.placement.adaptive_layouts else (plan.layout,),
             world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
             trainer_wait_steps=1,  # a trainer move waits for the checkpoint it asks for: the step under way
         )  # fmt: skip

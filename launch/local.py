@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.adaptive import Adapter, keep_places, moved
+from launch.adaptive import RUN_LAYOUTS, Adapter, keep_places, moved
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
 from launch.placement import describe, make_plan, write_plan
@@ -58,7 +58,7 @@ from yatt.errors import (
     RequestTimeout,
     TransportError,
 )
-from yatt.placement.adaptive import SwitchCosts, trainer_slots
+from yatt.placement.adaptive import SwitchCosts, new_trainer_group
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.registry import Directory, Registry
 from yatt.transport import Transport, make_curve_keys
@@ -297,9 +297,9 @@ class LocalLauncher:
         checkpoint load); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
         if not self.cfg.placement.adaptive or self.plan is None or self.cluster is None:
             return None
-        if self.plan.layout == "partial":  # its generators sleep and wake with the trainer's steps
+        if self.plan.layout not in RUN_LAYOUTS:  # its generators sleep and wake with the trainer's steps
             print("yatt: placement.adaptive: a partial run keeps its plan (a run re-plans disaggregated and "
-                  "colocated plans; partial ones in the simulator only)", flush=True)
+                  "colocated plans, and switches between them; partial ones in the simulator only)", flush=True)
             return None
         from launch.plan import with_peak
 
@@ -578,7 +578,7 @@ class LocalLauncher:
                             if line["step"] >= self._replan_from:
                                 self._decisions.put_nowait(line)
                 pending = self._next_plan
-                if pending is not None and self._plan_can_go(*pending):
+                if pending is not None and self._plan_can_go(*pending, logged=progress.last_step):
                     self._next_plan = None  # (a decision made while this one is carried out is kept)
                     resumed = await self._apply_plan(directory, pending[0], pending[1])
                     if resumed is not None:  # the trainer group restarted at its new size
@@ -642,7 +642,7 @@ class LocalLauncher:
                 times = await self.adapter.measure(directory, line)
                 if times is None:
                     continue
-                if (pending := self._next_plan) is not None and self.plan is not None and moves_trainers(self.plan, pending[0]):
+                if (pending := self._next_plan) is not None and self.plan is not None and new_trainer_group(self.plan, pending[0]):
                     # The old group still trains: its times would be credited to the new plan.
                     self.adapter.wait(int(line["step"]), times, f"wait for a checkpoint after step {pending[2]}: {pending[1]}")
                     continue
@@ -652,19 +652,21 @@ class LocalLauncher:
                 continue
             if decision.changed:
                 self._next_plan = (decision.plan, decision.reason, int(line["step"]))
-                if self.plan is not None and moves_trainers(self.plan, decision.plan):
+                if self.plan is not None and new_trainer_group(self.plan, decision.plan):
                     ask_for_checkpoint(self.run_dir, int(line["step"]))  # the new group starts from it
 
-    def _plan_can_go(self, plan: Plan, reason: str, step: int) -> bool:
+    def _plan_can_go(self, plan: Plan, reason: str, step: int, *, logged: int) -> bool:
         """Whether a re-planned ``plan`` can be carried out now: at once when the trainer ranks
         keep their slots; a new trainer group goes through a checkpoint, so it waits for
         the first complete one after the step it was decided after (the one it asked for,
-        or a periodic one: nothing trained is thrown away but the step under way)."""
+        or a periodic one: nothing trained is thrown away but the step under way), and for
+        the metrics line of the checkpoint's step (``logged``: the last step with one; rank
+        0 writes it after the checkpoint, and the new group trains from the next step)."""
         assert self.plan is not None
-        if not moves_trainers(self.plan, plan):
+        if not new_trainer_group(self.plan, plan):
             return True
         checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is None or checkpoint_step(checkpoint) <= step:
+        if checkpoint is None or checkpoint_step(checkpoint) <= step or logged < checkpoint_step(checkpoint) - 1:
             return False
         if checkpoint_step(checkpoint) >= self.cfg.run.steps:  # the run's last: nothing left to train
             self._next_plan = None
@@ -676,13 +678,14 @@ class LocalLauncher:
     async def _apply_plan(self, directory: Directory, plan: Plan, reason: str) -> int | None:
         """Carry out a re-planned ``plan`` between two steps (``launch.adaptive``): the leaving
         generators and reward workers stop (their in-flight requests are re-issued), the plan
-        is written, the joining ones start on their slots. When the trainer ranks move, the
-        group restarts at its new size from the newest checkpoint (DCP reshards it on load)
-        with the buffer rewound to it; returns that checkpoint's step then, else None."""
+        is written, the joining ones start on their slots. When the trainer ranks move or the
+        layout changes, the group restarts at its new size (its ranks hosting engines or not,
+        as ``plan.json`` says) from the newest checkpoint (DCP reshards it on load) with the
+        buffer rewound to it; returns that checkpoint's step then, else None."""
         assert self.plan is not None
         plan = keep_places(self.plan, plan)
         stop, start = moved(self.plan, plan)
-        regroup = moves_trainers(self.plan, plan)
+        regroup = new_trainer_group(self.plan, plan)
         began = time.monotonic()
         if regroup:  # the ranks first: what they train after the checkpoint is thrown away
             for p in self.procs:
@@ -693,7 +696,7 @@ class LocalLauncher:
         await self._forget(leaving)
         for p in leaving:
             self.procs.remove(p)
-        before, self.plan = self.world_size, plan
+        before, layout, self.plan = self.world_size, self.plan.layout, plan
         write_plan(plan, self.run_dir)
         resumed = None
         if regroup:
@@ -705,6 +708,8 @@ class LocalLauncher:
         stopped, started = (", ".join(f"{r}-{i}" for r, i in pairs) or "none" for pairs in (stop, start))
         if regroup:
             started += f"; trainer group {before} -> {self.world_size} ranks from step {resumed}"
+            if plan.layout != layout:
+                started += f", {layout} -> {plan.layout}"
         print(f"yatt: placement {reason}; stopped {stopped} ({time.monotonic() - began:.1f} s), started {started}", flush=True)
         return resumed
 
@@ -802,11 +807,6 @@ class LocalLauncher:
                 p.popen.wait()
 
 
-def moves_trainers(old: Plan, new: Plan) -> bool:
-    """Whether going from ``old`` to ``new`` moves the trainer ranks (a new trainer group)."""
-    return trainer_slots(old) != trainer_slots(new)
-
-
 def checkpoint_step(checkpoint: Path) -> int:
     """The step a checkpoint directory (``step_<k>``) was written after."""
     return int(checkpoint.name.split("_")[1])
@@ -837,6 +837,8 @@ class Progress:
         self._bar = None
         self.lines: list[dict[str, float]] = []
         """The lines the last ``update`` read."""
+        self.last_step = -1
+        """The last step with a line (-1: none yet)."""
         if enabled:
             from tqdm import tqdm
 
@@ -853,6 +855,7 @@ class Progress:
         self._offset += len(complete.encode())
         lines = complete.splitlines()
         self.lines = [json.loads(line) for line in lines]
+        self.last_step = max([self.last_step, *(int(m["step"]) for m in self.lines)])
         for m in self.lines:
             if self._bar is None:
                 continue
@@ -869,6 +872,7 @@ class Progress:
     def rewind(self, step: int) -> None:
         """The metrics file was trimmed to the steps before ``step``: read it from there."""
         self._offset = sum(len(line.encode()) + 1 for line in self.path.read_text().splitlines()) if self.path.exists() else 0
+        self.last_step = step - 1
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()

@@ -29,10 +29,12 @@ def fake_run(run_dir: Path, rewards: list[float], accuracy: tuple[float, float])
 @pytest.mark.parametrize(
     ("rewards", "accuracy", "learned"),
     [
-        ([0.65] * 20 + [0.72] * 20, (0.30, 0.30), True),  # the training reward rose 0.07
+        ([0.65] * 20 + [0.72] * 20, (0.30, 0.30), True),  # the training reward rose 0.07 (0.10 on the line)
+        ([0.65 + 0.045 * i / 39 for i in range(40)], (0.30, 0.30), True),  # last 10 over first 10 +0.035 only
+        ([0.62] * 5 + [0.66] * 35, (0.30, 0.30), False),  # a slow start, then flat: +0.026 on the line
         ([0.65] * 40, (0.15, 0.40), True),  # the held-out accuracy rose 0.25
         ([0.65] * 40, (0.30000001192092896, 0.4000000059604645), True),  # 0.1 in float32 (2 prompts)
-        ([0.65] * 20 + [0.67] * 20, (0.30, 0.35), False),  # neither beyond its noise
+        ([0.65] * 20 + [0.66] * 20, (0.30, 0.35), False),  # neither beyond its noise
     ],
 )
 def test_learned_means_held_out_accuracy_or_training_reward_rose(
@@ -42,7 +44,7 @@ def test_learned_means_held_out_accuracy_or_training_reward_rose(
     if learned:
         assert_default_job_learned(rows, tmp_path / "run")
     else:
-        with pytest.raises(AssertionError, match="training reward from 0.650 to 0.670"):
+        with pytest.raises(AssertionError, match="training reward rose"):
             assert_default_job_learned(rows, tmp_path / "run")
 
 

@@ -617,14 +617,20 @@ class PlacementConfig:
     auto: the planner picks the layout with the lowest predicted step time."""
     adaptive: bool = True
     """Re-plan at run time from each step's measured stage times (yatt/placement/adaptive.py):
-    slots move between the generator and reward-engine pools at a step boundary when a
-    neighbouring split is predicted faster by ``adaptive_margin`` for ``adaptive_patience``
-    steps and pays back its switch. Every decision is a line of ``placement.jsonl``;
+    slots move between the generator, reward-engine and trainer pools (or the layout
+    changes: ``adaptive_layouts``) at a step boundary when a neighbouring plan is predicted
+    faster by ``adaptive_margin`` for ``adaptive_patience`` steps and pays back its switch. Every decision is a line of ``placement.jsonl``;
     false pins the plan of the start."""
     adaptive_margin: float = 0.05
     """Share of the predicted step time a neighbouring plan must save to be considered."""
     adaptive_patience: int = 3
     """Steps in a row a neighbour must win before the plan changes (hysteresis)."""
+    adaptive_layouts: bool = False
+    """Let a re-planned run also switch between the disaggregated and colocated layouts
+    (through a checkpoint, as a move of the trainer's slots); false: slots move within the
+    layout it started with. Off by default: a switch restarts the trainer group and every
+    engine, and a colocated step predicted from a disaggregated run's measurements was 30%
+    short of the measured one on a 2-core machine (0.37 against 0.53 s)."""
     cpu_slots: int = 0
     """On a CPU machine: the device slots its cores are cut into; 0: one per core. More slots
     than cores time-share them (each gets cores/slots of a core's throughput, and the planner

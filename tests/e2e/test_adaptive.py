@@ -2,7 +2,8 @@
 mid-run (injected: ``YATT_SLOW_REWARD``); the launcher moves a generator's slot to a second
 judge between two steps, without stopping the run, losing nothing. Training turning slow
 (``YATT_SLOW_TRAIN``) gets a generator's slot as a second trainer rank, through a
-checkpoint and a resharded restore."""
+checkpoint and a resharded restore; turning much slower, it switches the run to the
+colocated layout the same way."""
 
 from __future__ import annotations
 
@@ -127,3 +128,44 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(24))
     out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated) == (0, 0)
+
+
+def test_training_turning_much_slower_switches_the_run_to_colocated(tmp_path: Path) -> None:
+    """The same job, free to switch layouts (``placement.adaptive_layouts``); from step 4
+    training turns 3 s a step slower. The replanner's best neighbour is no longer a slot
+    moved but the colocated layout: every slot trains and
+    hosts an engine (they take turns). Carried out through the checkpoint it asks for: the
+    three generator processes stop, four ranks start from it, each serving an engine."""
+    run_dir = tmp_path / "relayout"
+    log = (tmp_path / "relayout.launcher.log").open("ab")
+    items = ["placement.layout=disaggregated", "placement.cpu_slots=4", "run.num_generators=3", "trainer.world_size=1",
+             "trainer.checkpoint_every=0", "run.steps=16", "run.eval_every=0", "placement.adaptive_layouts=true"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, SLOW_TRAIN_ENV: "4:3.0"},
+    )  # fmt: skip
+    finish(proc, run_dir)
+    said = (tmp_path / "relayout.launcher.log").read_text()
+    decisions = [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    changes = [d for d in decisions if d["placement/changed"]]
+    assert len(changes) == 1 and "layout disaggregated -> colocated" in changes[0]["reason"], [d["reason"] for d in decisions]
+    rows = metrics(run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(16))
+    slow_since = float((run_dir / "failpoints" / "slow_train").read_text())
+    first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
+    assert changes[0]["step"] - 2 >= first_slow, (first_slow, [d["reason"] for d in decisions])
+    resumed = int(said.split("trainer group 1 -> 4 ranks from step ")[1].split(",")[0])
+    assert changes[0]["step"] + 2 <= resumed <= changes[0]["step"] + 3, (changes[0]["step"], said[-3000:])
+    assert ", disaggregated -> colocated" in said and "stopped generator-0, generator-1, generator-2" in said, said[-3000:]
+    assert "exited with code" not in said, said[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["layout"] == "colocated"
+    ranks = [a for a in plan["assignments"] if a["role"] == "trainer"]
+    assert len(ranks) == 4 and all(a["hosts_generator"] for a in ranks)
+    assert not [a for a in plan["assignments"] if a["role"] == "generator"]
+    # The ranks' engines generated the steps after it (the engines take turns with training).
+    assert all("time/switch_s" in r for r in rows[resumed:]) and not any("time/switch_s" in r for r in rows[:resumed])
+    assert any(d["measured/generator_busy_workers"] == 4 for d in decisions if d["step"] > resumed), decisions[-3:]
+    out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
+    assert (out.lost, out.duplicated) == (0, 0) and out.steps_twice <= 1

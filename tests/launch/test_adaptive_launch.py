@@ -96,6 +96,10 @@ def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool
     assert (adapter is not None) == replans
     if adapter is not None:
         assert not adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
+        switching = LocalLauncher(load_run_config(EXAMPLE, [*items, "placement.adaptive_layouts=true"]), tmp_path)
+        switching.plan = switching.make_plan()
+        both = switching.make_adapter(ready_s=12.0)
+        assert both is not None and both.replanner.layouts == ("disaggregated", "colocated")
         assert adapter.replanner.switch.to_rollout_s == adapter.replanner.switch.reshard_s == 12.0
         assert adapter.replanner.world_sizes == {1, 2, 4}  # a wave of 64 samples, 4 slots: no 3-rank group
         assert adapter.replanner.trainer_wait_steps == 1  # a trainer move waits for the checkpoint it asks for

@@ -14,9 +14,11 @@ from yatt.placement.adaptive import (
     SwitchCosts,
     change_cost,
     costs_from_times,
+    new_trainer_group,
     pools,
     roles_of_plan,
     slot_moves,
+    trainer_slots,
 )
 from yatt.placement.layouts import Roles, assign, gpu_cluster
 from yatt.placement.plan import ClusterSpec
@@ -194,3 +196,21 @@ def test_a_trainer_move_is_paid_for_by_the_steps_after_the_checkpoint_it_waits_f
                       keep_trainers=True)
     d = judge.observe(0, times(1.0, 1.5, reward=4.0))  # judging-bound: a generator's slot to the judges
     assert d.changed and d.best is not None and d.best.what == "1 slots generate -> reward" and "x 20 steps" in d.reason
+
+
+def test_a_layout_change_takes_a_new_trainer_group_and_waits_like_one() -> None:
+    """Colocated ranks host engines, disaggregated ones do not: a layout change restarts the
+    trainer group (through its checkpoint) even where the ranks would keep their slots."""
+    cluster = gpus(8)
+    colocated = assign("colocated", cluster, split(8, 8))
+    partial = assign("partial", cluster, split(4, 8))
+    assert trainer_slots(colocated) == trainer_slots(partial) and new_trainer_group(colocated, partial)
+    assert not new_trainer_group(colocated, colocated)
+    kept = replanner(split(2, 4, rewards=2, engines=True), keep_trainers=True)
+    kept.layouts = ("disaggregated", "colocated")
+    assert kept.neighbours() and not any(m.what.startswith("layout") for m in kept.neighbours())
+    free = replanner(split(4, 4), patience=1, horizon_steps=20, trainer_wait_steps=3)
+    free.layouts = ("disaggregated", "colocated")
+    d = free.observe(0, times(0.2, 12.0))  # training-bound: every slot trains, the engines take turns
+    assert d.best is not None and d.best.what == "layout disaggregated -> colocated", d.reason
+    assert "x 17 steps" in d.reason

@@ -113,6 +113,12 @@ def trainer_slots(plan: Plan) -> tuple[tuple[int, ...], ...]:
     return tuple(a.slots for a in plan.of("trainer"))
 
 
+def new_trainer_group(old: Plan, new: Plan) -> bool:
+    """Whether going from ``old`` to ``new`` takes a new trainer group: its ranks move, or
+    the layout changes (a colocated rank hosts an engine, a disaggregated one does not)."""
+    return trainer_slots(old) != trainer_slots(new) or old.layout != new.layout
+
+
 def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, plan: Plan) -> StageCosts:
     """Stage costs per slot that explain ``times`` on ``plan``'s slots: each measured stage
     divided back by the planner's own formulas (``stage_times``); what the plan did not
@@ -310,7 +316,7 @@ class Replanner:
             if option.generators < 1 or option.trainers < 1 or option.rewards < (1 if roles.reward_engines else 0):
                 continue
             plan = self._assign(to, option)
-            if plan is not None and self.keep_trainers and trainer_slots(plan) != trainer_slots(self.plan):
+            if plan is not None and self.keep_trainers and new_trainer_group(self.plan, plan):
                 continue
             if self.world_sizes is not None and option.trainers not in self.world_sizes:
                 continue
@@ -337,7 +343,7 @@ class Replanner:
         horizon = self.horizon_steps if steps_left is None else min(self.horizon_steps, steps_left)
 
         def paying(m: Move) -> int:  # the steps that pay for a move: a trainer move's start after its checkpoint
-            return horizon - (self.trainer_wait_steps if trainer_slots(m.plan) != trainer_slots(self.plan) else 0)
+            return horizon - (self.trainer_wait_steps if new_trainer_group(self.plan, m.plan) else 0)
 
         def net(m: Move) -> float:  # what the move wins over those steps, less its switch
             return (current - m.predicted_step_s) * paying(m) - m.switch_s

@@ -6,8 +6,10 @@ reward worker for its busy time (``Query("stats")``: ``generator/generate_s``,
 ``reward/busy_s``), takes the step's share, adds the trainer's times, lengths and
 acceptance from the metrics line, and hands the ``StepTimes`` to a ``Replanner`` seeded
 with the planner's own estimates for the run. Every decision is a line of
-``<run_dir>/placement.jsonl`` (its reason, predicted step times, gain, switch cost);
-when the plan changes, the launcher carries it out in place (``LocalLauncher``):
+``<run_dir>/placement.jsonl`` (its reason, predicted step times, gain, switch cost; the
+first ``placement.adaptive_warmup`` steps of a run and after each change are written, not
+re-planned on: ``Adapter.settle``); when the plan changes, the launcher carries it out in
+place (``LocalLauncher``):
 
     keep_places(old, new)    staying processes keep their slots; the moved ones are named
     stop the leaving ones    SIGTERM; the registry drops them, the controllers re-issue
@@ -117,6 +119,8 @@ class Adapter:
             world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
             trainer_wait_steps=1,  # a trainer move waits for the checkpoint it asks for: the step under way
         )  # fmt: skip
+        self.warm_until = 0
+        """The first step re-planned on (``settle``)."""
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
         self.busy_workers = {role: 0 for role in BUSY_KEYS}
         """Workers of each pool busy in the last measured step."""
@@ -153,6 +157,18 @@ class Adapter:
             completion_mean=max(1.0, mean), completion_p90=max(1.0, line.get("response_length/max", mean)),
             acceptance=min(1.0, acceptance) if 0 < acceptance and math.isfinite(acceptance) else 1.0,
         )  # fmt: skip
+
+    def settle(self, step: int) -> None:
+        """``step`` is the first of a run, of a resumed one, or the first after a change:
+        it and the next ``placement.adaptive_warmup - 1`` are measured, not re-planned on."""
+        self.warm_until = step + self.cfg.placement.adaptive_warmup
+
+    def warming(self, step: int, times: StepTimes) -> bool:
+        """Whether ``step`` is a warm-up step; if so its record is written."""
+        if step >= self.warm_until:
+            return False
+        self.wait(step, times, f"warm-up (placement.adaptive_warmup={self.cfg.placement.adaptive_warmup}): measured, not re-planned on")
+        return True
 
     def wait(self, step: int, times: StepTimes, reason: str) -> None:
         """A step measured while a change waits to be carried out: written, not re-planned on."""

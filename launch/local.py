@@ -399,6 +399,8 @@ class LocalLauncher:
                     await self._wait_ready(directory, stop)
                     print(f"yatt: all roles READY; run dir {self.run_dir}", flush=True)
                     self.adapter = await asyncio.to_thread(self.make_adapter, time.monotonic() - started)
+                    if self.adapter is not None:
+                        self.adapter.settle(self._replan_from)
                     replan = asyncio.ensure_future(self._replan(directory)) if self.adapter else None
                     try:
                         code = await self._watch(directory, stop)
@@ -581,6 +583,8 @@ class LocalLauncher:
                 if pending is not None and self._plan_can_go(*pending, logged=progress.last_step):
                     self._next_plan = None  # (a decision made while this one is carried out is kept)
                     resumed = await self._apply_plan(directory, pending[0], pending[1])
+                    if self.adapter is not None:  # the steps on the new plan warm up first
+                        self.adapter.settle(resumed if resumed is not None else pending[2] + 1)
                     if resumed is not None:  # the trainer group restarted at its new size
                         progress.rewind(resumed)
                         last_step = time.monotonic()
@@ -645,6 +649,8 @@ class LocalLauncher:
                 if (pending := self._next_plan) is not None and self.plan is not None and new_trainer_group(self.plan, pending[0]):
                     # The old group still trains: its times would be credited to the new plan.
                     self.adapter.wait(int(line["step"]), times, f"wait for a checkpoint after step {pending[2]}: {pending[1]}")
+                    continue
+                if self.adapter.warming(int(line["step"]), times):
                     continue
                 decision = self.adapter.decide(int(line["step"]), times)
             except Exception as e:  # the run goes on with its plan; the next step re-plans

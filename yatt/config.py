@@ -619,12 +619,17 @@ class PlacementConfig:
     """Re-plan at run time from each step's measured stage times (yatt/placement/adaptive.py):
     slots move between the generator, reward-engine and trainer pools (or the layout
     changes: ``adaptive_layouts``) at a step boundary when a neighbouring plan is predicted
-    faster by ``adaptive_margin`` for ``adaptive_patience`` steps and pays back its switch. Every decision is a line of ``placement.jsonl``;
-    false pins the plan of the start."""
+    faster by ``adaptive_margin`` for ``adaptive_patience`` steps and pays back its switch.
+    Every decision is a line of ``placement.jsonl``; false pins the plan of the start."""
     adaptive_margin: float = 0.05
     """Share of the predicted step time a neighbouring plan must save to be considered."""
     adaptive_patience: int = 3
     """Steps in a row a neighbour must win before the plan changes (hysteresis)."""
+    adaptive_warmup: int = 2
+    """Steps measured and written to ``placement.jsonl`` but not re-planned on: the first
+    ones of a run (or of a resumed one) and the first ones after each change, which run slow
+    while new processes warm up (the default job's first two steps take 2-4x the later
+    ones); 0: re-plan from the first step."""
     adaptive_layouts: bool = False
     """Let a re-planned run also switch between the disaggregated and colocated layouts
     (through a checkpoint, as a move of the trainer's slots); false: slots move within the
@@ -639,4 +644,5 @@ class PlacementConfig:
     def __post_init__(self) -> None:
         require(self.adaptive_margin >= 0, "adaptive_margin", f"must be >= 0 (got {self.adaptive_margin})")
         require(self.adaptive_patience >= 1, "adaptive_patience", f"must be >= 1 (got {self.adaptive_patience})")
+        require(self.adaptive_warmup >= 0, "adaptive_warmup", f"must be >= 0, 0 to re-plan from the first step (got {self.adaptive_warmup})")
         require(self.cpu_slots >= 0, "cpu_slots", f"must be >= 0, 0 for one slot per core (got {self.cpu_slots})")

@@ -53,7 +53,10 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     held = decisions[changes[0]["step"] - 2 : changes[0]["step"]]
     assert [d["placement/streak"] for d in held] == [1.0, 2.0]
     assert held[0]["step"] >= first_slow, (first_slow, [d["reason"] for d in decisions])
-    assert all(d["reason"].startswith("keep") for d in decisions[changes[0]["step"] + 1 :]), [d["reason"] for d in decisions]
+    after = decisions[changes[0]["step"] + 1 :]  # two steps warm up on the new plan (placement.adaptive_warmup)
+    assert all(d["reason"].startswith(("keep", "warm-up")) for d in after[:2]), [d["reason"] for d in decisions]
+    assert all(d["reason"].startswith("keep") for d in after[2:]), [d["reason"] for d in decisions]
+    assert [d["reason"].split()[0] for d in decisions[:2]] == ["warm-up", "warm-up"]
     # Carried out in place: generator-1 stopped, reward-1 started on its slot, the run went on.
     assert "stopped generator-1" in said and "started reward-1" in said, said[-3000:]
     assert "exited with code" not in said and "restarting" not in said, said[-3000:]
@@ -110,8 +113,10 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     assert len([a for a in plan if a["role"] == "generator"]) == 2
     # Until it was carried out, the steps the old group trained were logged, not re-planned on.
     later = [d for d in decisions if d["step"] > changes[0]["step"]]
-    assert all(d["reason"].startswith("keep") or (d["reason"].startswith("wait for a checkpoint after step")
-                                                  and d["step"] <= resumed) for d in later), [d["reason"] for d in later]
+    assert all(d["reason"].startswith("keep")
+               or (d["reason"].startswith("wait for a checkpoint after step") and d["step"] <= resumed)
+               or (d["reason"].startswith("warm-up") and resumed <= d["step"] < resumed + 2)
+               for d in later), [d["reason"] for d in later]  # fmt: skip
     # The ledger against the prompt order: no group lost, none trained twice; the step
     # under way when the one-rank group stopped was trained again (at most that one).
     out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)

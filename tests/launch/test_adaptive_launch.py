@@ -3,6 +3,7 @@ change stops and starts, time-shared CPU slots, the injected slow judge, the kno
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,7 @@ def test_the_slow_judge_is_parsed_named_when_wrong_and_shared_by_a_marker(
         ("placement.cpu_slots=-1", "placement.cpu_slots must be >= 0"),
         ("placement.adaptive_patience=0", "placement.adaptive_patience must be >= 1"),
         ("placement.adaptive_margin=-0.1", "placement.adaptive_margin must be >= 0"),
+        ("placement.adaptive_warmup=-1", "placement.adaptive_warmup must be >= 0"),
     ],
 )
 def test_placement_knobs_that_cannot_work_are_named(item: str, says: str) -> None:
@@ -125,3 +127,26 @@ def test_a_checkpoint_ask_is_read_back_withdrawn_and_a_foreign_file_ignored(tmp_
     assert asked_for_checkpoint(tmp_path) is None
     (tmp_path / REQUEST_FILE).write_text("soon")  # not the launcher's: the periodic checkpoints go on
     assert asked_for_checkpoint(tmp_path) is None
+
+
+def test_warm_up_steps_are_written_not_re_planned_on(tmp_path: Path) -> None:
+    """The first steps of a run and the first after a change are measured and written,
+    never fed to the replanner (their slow start would start a streak)."""
+    from launch.local import LocalLauncher
+    from yatt.placement.adaptive import StepTimes
+
+    launcher = LocalLauncher(load_run_config(EXAMPLE, ["placement.adaptive_warmup=2"]), tmp_path, show_progress=False)
+    launcher.plan = launcher.make_plan()
+    adapter = launcher.make_adapter(ready_s=12.0)
+    assert adapter is not None
+    slow = StepTimes(generate_s=9.0, tail_s=0.0, reward_s=9.0, train_s=0.1, weight_sync_s=0.0, completion_mean=20,
+                     completion_p90=40, acceptance=1.0)  # fmt: skip
+    adapter.settle(0)
+    assert [adapter.warming(s, slow) for s in range(3)] == [True, True, False]
+    adapter.settle(7)  # a change carried out after step 6
+    assert [adapter.warming(s, slow) for s in (7, 8, 9)] == [True, True, False]
+    assert adapter.replanner.decisions == []  # nothing fed to it
+    records = [json.loads(line) for line in adapter.path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 7, 8]
+    assert all(r["reason"].startswith("warm-up (placement.adaptive_warmup=2)") and r["measured/generate_s"] == 9.0
+               for r in records)  # fmt: skip

@@ -11,7 +11,7 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
     (yatt.checkpoints: a re-planned trainer group): DCP checkpoint of step k+1 into
             checkpoints/step_{k+1} (copied now, written in the background:
             trainer.checkpoint_async), the buffer's ledger mark beside it; rank 0 writes its
-            ``done`` marker the moment the write ends
+            ``done`` marker the moment the write ends and the step's metrics line is written
     rank 0: one line of metrics.jsonl and TensorBoard scalars
 
 Layouts that take turns (``yatt.placement``): in the colocated layout every rank also
@@ -170,6 +170,8 @@ class TrainerRank:
         self._marking: asyncio.Task[None] | None = None  # rank 0: marks it done as soon as it is written
         self._slow = trace.training_slowdown(run_dir)  # an injected workload shift (YATT_SLOW_TRAIN)
         self._checkpointed = trainer.step  # the version of the group's last checkpoint (or its start)
+        self._logged = trainer.step - 1  # rank 0: the last step with its metrics line
+        self._unmarked: tuple[Path, int] | None = None  # rank 0: a checkpoint written before its step's line
 
     @classmethod
     def create(
@@ -386,15 +388,19 @@ class TrainerRank:
                 line["time/switch_s"] = self.switch_s
                 self.switch_s = 0.0
             line.update({f"train/{k}": v for k, v in metrics.items()})
-            report = await buffer.request(
-                Query(what="step_report", args={"step": str(step), "rollouts": str(self.cfg.rollouts_per_step)}), StepReport
-            )
-            line.update(report.values)
-            stats = await buffer.request(Query(what="stats"), Metrics)
-            line.update(stats.values)
-            assert self._log is not None
-            self._log.metrics(line)
-            await asyncio.to_thread(self._log.rollouts, step, report.groups)
+            with trace.span("log_step"):
+                report = await buffer.request(
+                    Query(what="step_report", args={"step": str(step), "rollouts": str(self.cfg.rollouts_per_step)}), StepReport
+                )
+                line.update(report.values)
+                stats = await buffer.request(Query(what="stats"), Metrics)
+                line.update(stats.values)
+                assert self._log is not None
+                self._log.metrics(line)
+                await asyncio.to_thread(self._log.rollouts, step, report.groups)
+            self._logged = step
+            if self._unmarked is not None and self._unmarked[1] - 1 <= step:
+                await self._write_done(*self._unmarked)
         if self._eval_due(version):
             await self._evaluate(buffer, version)
 
@@ -502,7 +508,9 @@ class TrainerRank:
     async def _mark_written(self, *, wait: bool) -> None:
         """Rank 0 writes the ``done`` marker of the checkpoint being saved once it is written
         (DCP's coordinator writes ``.metadata`` after every rank's files, so rank 0's save
-        ends last); ``wait``: until then, else only when already written."""
+        ends last) and its step's metrics line is (else right after the line: a group
+        restarted from it must not miss that line); ``wait``: until written, else only when
+        already written."""
         marking = self._marking
         if marking is not None and marking is not asyncio.current_task() and (wait or marking.done()):
             self._marking = None
@@ -515,9 +523,17 @@ class TrainerRank:
         self._saving = None
         await asyncio.to_thread(self.trainer.wait_for_checkpoint)  # raises a failed write's error
         if self.rank == 0:
-            (directory / "done").write_text(json.dumps({"step": version, "time": time.time()}))
-            if self.cfg.trainer.keep_checkpoints:
-                await asyncio.to_thread(prune_checkpoints, self.run_dir / "checkpoints", self.cfg.trainer.keep_checkpoints)
+            if version - 1 > self._logged:  # the step's metrics line first: a group restarted
+                self._unmarked = (directory, version)  # from it goes on after that line
+            else:
+                await self._write_done(directory, version)
+
+    async def _write_done(self, directory: Path, version: int) -> None:
+        """Rank 0: the checkpoint of ``version`` counts (resumes and restarts take it)."""
+        self._unmarked = None
+        (directory / "done").write_text(json.dumps({"step": version, "time": time.time()}))
+        if self.cfg.trainer.keep_checkpoints:
+            await asyncio.to_thread(prune_checkpoints, self.run_dir / "checkpoints", self.cfg.trainer.keep_checkpoints)
 
     async def _push_all(self, directory: Directory) -> None:
         await asyncio.gather(*(self._push(directory, w.actor_id) for w in _external(directory)))

@@ -342,6 +342,15 @@ def test_a_finished_run_is_extended_with_more_steps(tmp_path: Path) -> None:
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(8))
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_7", "step_8"]
     assert all((run_dir / "checkpoints" / name / "done").exists() for name in ("step_7", "step_8"))
+    # Written at once (not in the background), a checkpoint counts only once its step's
+    # metrics line is written: rank 0 dies between the two (entering its 2nd log_step, of
+    # step 9, after saving step_10) and the group restarts from step_9, so no line is missing.
+    sync = ("trainer.checkpoint_every=1", "trainer.keep_checkpoints=2", "trainer.checkpoint_async=false")
+    finish(launch(run_dir, "run.steps=11", "placement.layout=disaggregated", *sync, resume=run_dir, failpoint="trainer-0:log_step:2"), run_dir)
+    assert (run_dir / "failpoints" / "trainer-0_log_step_2").exists(), "the rank was not killed"
+    said = (run_dir.parent / "extended.launcher.log").read_text()
+    assert f"restarting the trainer group from {run_dir}/checkpoints/step_9" in said, said[-3000:]
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(11))
 
 
 def evals(path: Path) -> list[dict[str, float]]:

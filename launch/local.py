@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from launch.adaptive import RUN_LAYOUTS, Adapter, keep_places, moved
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
-from launch.placement import describe, make_plan, write_plan
+from launch.placement import describe, make_plan, world_size_of, write_plan
 from launch.plan import BUILTIN_TINY, this_machine
 from protocols.messages import Ack, Query
 from yatt import trace
@@ -310,8 +310,7 @@ class LocalLauncher:
     @property
     def world_size(self) -> int:
         """The trainer group's ranks: the plan's (a run re-planned can change it), else the config's."""
-        ranks = len(self.plan.of("trainer")) if self.plan is not None else 0
-        return ranks or self.cfg.trainer.world_size
+        return world_size_of(self.plan, self.cfg.trainer.world_size)
 
     def _gpus_of(self, role: str, index: int) -> list[int]:
         """The GPUs of a role process's slots (on a GPU machine; none for a light role)."""

@@ -70,6 +70,13 @@ def read_plan(run_dir: Path) -> Plan | None:
     return plan_from_json(json.loads(path.read_text()))
 
 
+def world_size_of(plan: Plan | None, configured: int) -> int:
+    """The trainer group's ranks: the plan's (a re-planned run can change them), else
+    ``configured`` (``trainer.world_size``; a run without a plan)."""
+    ranks = len(plan.of("trainer")) if plan is not None else 0
+    return ranks or configured
+
+
 def assignment_for(plan: Plan | None, role: str, index: int) -> Assignment | None:
     if plan is None:
         return None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.config import RunConfig, load_run_config
-from launch.placement import assignment_for, pin, read_plan
+from launch.placement import assignment_for, pin, read_plan, world_size_of
 from yatt import trace
 from yatt.actor import Actor
 from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
@@ -95,15 +95,13 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
     from yatt.buffer import Buffer
 
     prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
-    plan = read_plan(args.run_dir)  # the trainer group's size may have changed in the run (re-planned)
-    ranks = len(plan.of("trainer")) if plan is not None and plan.of("trainer") else cfg.trainer.world_size
     actor = Buffer(
         transport,
         endpoint=f"tcp://{args.host}:*",
         config=cfg.buffer,
         num_prompts=len(prompts),
         num_shards=cfg.controller.num_controllers,
-        world_size=ranks,
+        world_size=world_size_of(read_plan(args.run_dir), cfg.trainer.world_size),  # re-planned: the plan's
         seed=cfg.run.seed,
         ledger_path=args.run_dir / "ledger.db",
         resume_from=args.resume,

@@ -21,8 +21,8 @@ ranks ``wait_for_buffer``, ``forward_backward``, ``optimizer`` (gradient reducti
 clip, step), ``weight_gather``, ``weight_push`` (rank 0: buckets to every generator,
 then the new version to the buffer; ``weight_bucket``: one bucket to one generator,
 acknowledged), ``checkpoint``, ``log_step`` (rank 0: the step's report, stats and
-metrics line), ``step`` (one trainer step, end to end), ``wake`` / ``sleep`` (the colocated rank's engine given the weights / put
-away), and the collectives nested in the compute spans: ``all_reduce``, ``all_gather``
+metrics line), ``step`` (one trainer step, end to end), ``wake`` / ``sleep`` (the
+colocated rank's engine given the weights / put away), and the collectives nested in the compute spans: ``all_reduce``, ``all_gather``
 and ``reduce_scatter`` (FSDP2's, traced through its custom-collective hooks); the reward
 scorers' ``pool_round_trip`` (a sample to the process pool and its score back); trainer
 ranks' ``checkpoint_write`` (this rank's checkpoint files, in a background thread with

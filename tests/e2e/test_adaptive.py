@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,19 +26,33 @@ from yatt.trace import SLOW_TRAIN_ENV
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "adaptive_judge.yaml"
+SLOTS_FOR_TRAINING = ["placement.layout=disaggregated", "placement.cpu_slots=4", "run.num_generators=3",
+                      "trainer.world_size=1", "trainer.checkpoint_every=0", "run.eval_every=0"]
+"""The default job on 4 slots, 3 generators and 1 trainer rank, checkpoints only at the end."""
+
+
+def run_shifted(run_dir: Path, args: list[str], env: dict[str, str]) -> tuple[str, list[dict[str, Any]]]:
+    """``python -m launch run ARGS`` into ``run_dir`` with a workload shift injected by
+    ``env``, to its end; the launcher's output and the decisions of ``placement.jsonl``."""
+    log = run_dir.parent / f"{run_dir.name}.launcher.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launch", "run", *args, "--run-dir", str(run_dir), "--no-progress"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env},
+        )  # fmt: skip
+    finish(proc, run_dir)
+    return log.read_text(), [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+
+
+def first_slow(rows: list[dict[str, float]], run_dir: Path, marker: str) -> int:
+    """The first step that ended after the injected shift began (its marker's time)."""
+    since = float((run_dir / "failpoints" / marker).read_text())
+    return next(i for i, row in enumerate(rows) if row["time/unix"] > since)
 
 
 def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "adaptive"
-    log = (tmp_path / "adaptive.launcher.log").open("ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, SLOW_ENV: "150:0.15"},
-    )  # fmt: skip
-    finish(proc, run_dir)
-    said = (tmp_path / "adaptive.launcher.log").read_text()
-    decisions = [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    said, decisions = run_shifted(run_dir, [str(EXAMPLE)], {SLOW_ENV: "150:0.15"})
     assert [d["step"] for d in decisions] == list(range(40)), "a decision after every step"
     changes = [d for d in decisions if d["placement/changed"]]
     assert len(changes) == 1 and "1 slots generate -> reward" in changes[0]["reason"], [d["reason"] for d in decisions]
@@ -47,12 +62,11 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     # hysteresis), each of them a step that ended with the judge slow. Once it changed, the
     # plan holds its two judges.
     rows = metrics(run_dir)
-    slow_since = float((run_dir / "failpoints" / "slow_reward").read_text())
-    first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
-    assert not any(d["placement/changed"] for d in decisions[:first_slow]), [d["reason"] for d in decisions]
+    slow = first_slow(rows, run_dir, "slow_reward")
+    assert not any(d["placement/changed"] for d in decisions[:slow]), [d["reason"] for d in decisions]
     held = decisions[changes[0]["step"] - 2 : changes[0]["step"]]
     assert [d["placement/streak"] for d in held] == [1.0, 2.0]
-    assert held[0]["step"] >= first_slow, (first_slow, [d["reason"] for d in decisions])
+    assert held[0]["step"] >= slow, (slow, [d["reason"] for d in decisions])
     after = decisions[changes[0]["step"] + 1 :]  # two steps warm up on the new plan (placement.adaptive_warmup)
     assert all(d["reason"].startswith(("keep", "warm-up")) for d in after[:2]), [d["reason"] for d in decisions]
     assert all(d["reason"].startswith("keep") for d in after[2:]), [d["reason"] for d in decisions]
@@ -80,24 +94,13 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     restarts from it with 2 ranks (DCP reshards the 1-rank checkpoint), the buffer splits
     the micro-batches for 2, and nothing is lost."""
     run_dir = tmp_path / "regroup"
-    log = (tmp_path / "regroup.launcher.log").open("ab")
-    items = ["placement.layout=disaggregated", "placement.cpu_slots=4", "run.num_generators=3", "trainer.world_size=1",
-             "trainer.checkpoint_every=0", "run.steps=20", "run.eval_every=0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, SLOW_TRAIN_ENV: "6:1.0"},
-    )  # fmt: skip
-    finish(proc, run_dir)
-    said = (tmp_path / "regroup.launcher.log").read_text()
-    decisions = [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    said, decisions = run_shifted(run_dir, [*SLOTS_FOR_TRAINING, "run.steps=20"], {SLOW_TRAIN_ENV: "6:1.0"})
     changes = [d for d in decisions if d["placement/changed"]]
     assert len(changes) == 1 and "1 slots generate -> train" in changes[0]["reason"], [d["reason"] for d in decisions]
-    slow_since = float((run_dir / "failpoints" / "slow_train").read_text())
     rows = metrics(run_dir)
     assert len(rows) == 20 and [int(r["step"]) for r in rows] == list(range(20))
-    first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
-    assert changes[0]["step"] - 2 >= first_slow, (first_slow, [d["reason"] for d in decisions])
+    slow = first_slow(rows, run_dir, "slow_train")
+    assert changes[0]["step"] - 2 >= slow, (slow, [d["reason"] for d in decisions])
     # Carried out through the checkpoint it asked for, of the step under way (the next, or
     # the one after when the ask came as rank 0 had looked): generator-2 stopped, the
     # buffer rewound to it with the new world size, two ranks started from it.
@@ -123,12 +126,8 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
     assert (out.lost, out.duplicated) == (0, 0) and out.steps_twice <= 1
     # Resumed with more steps: the config's one rank restores the 2-rank checkpoint
     # (resharded); the re-planner measures the new steps only (the resumed run's are decided).
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "run", *[i for i in items if i != "run.steps=20"], "run.steps=24", "--resume", str(run_dir), "--run-dir", str(run_dir),
-         "--no-progress"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    finish(proc, run_dir)
-    decided = [json.loads(line)["step"] for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    _, resumed_decisions = run_shifted(run_dir, [*SLOTS_FOR_TRAINING, "run.steps=24", "--resume", str(run_dir)], {})
+    decided = [d["step"] for d in resumed_decisions]
     assert set(decided[: len(decisions)]) == set(range(20)) and decided[len(decisions) :] == [20, 21, 22, 23], decided
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(24))
     out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
@@ -138,28 +137,17 @@ def test_a_trainer_turning_slow_gets_a_second_rank_mid_run(tmp_path: Path) -> No
 def test_training_turning_much_slower_switches_the_run_to_colocated(tmp_path: Path) -> None:
     """The same job, free to switch layouts (``placement.adaptive_layouts``); from step 4
     training turns 3 s a step slower. The replanner's best neighbour is no longer a slot
-    moved but the colocated layout: every slot trains and
-    hosts an engine (they take turns). Carried out through the checkpoint it asks for: the
+    moved but the colocated layout: every slot trains and hosts an engine (they take turns). Carried out through the checkpoint it asks for: the
     three generator processes stop, four ranks start from it, each serving an engine."""
     run_dir = tmp_path / "relayout"
-    log = (tmp_path / "relayout.launcher.log").open("ab")
-    items = ["placement.layout=disaggregated", "placement.cpu_slots=4", "run.num_generators=3", "trainer.world_size=1",
-             "trainer.checkpoint_every=0", "run.steps=16", "run.eval_every=0", "placement.adaptive_layouts=true"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, SLOW_TRAIN_ENV: "4:3.0"},
-    )  # fmt: skip
-    finish(proc, run_dir)
-    said = (tmp_path / "relayout.launcher.log").read_text()
-    decisions = [json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
+    items = [*SLOTS_FOR_TRAINING, "run.steps=16", "placement.adaptive_layouts=true"]
+    said, decisions = run_shifted(run_dir, items, {SLOW_TRAIN_ENV: "4:3.0"})
     changes = [d for d in decisions if d["placement/changed"]]
     assert len(changes) == 1 and "layout disaggregated -> colocated" in changes[0]["reason"], [d["reason"] for d in decisions]
     rows = metrics(run_dir)
     assert [int(r["step"]) for r in rows] == list(range(16))
-    slow_since = float((run_dir / "failpoints" / "slow_train").read_text())
-    first_slow = next(i for i, row in enumerate(rows) if row["time/unix"] > slow_since)
-    assert changes[0]["step"] - 2 >= first_slow, (first_slow, [d["reason"] for d in decisions])
+    slow = first_slow(rows, run_dir, "slow_train")
+    assert changes[0]["step"] - 2 >= slow, (slow, [d["reason"] for d in decisions])
     resumed = int(said.split("trainer group 1 -> 4 ranks from step ")[1].split(",")[0])
     assert changes[0]["step"] + 2 <= resumed <= changes[0]["step"] + 3, (changes[0]["step"], said[-3000:])
     assert ", disaggregated -> colocated" in said and "stopped generator-0, generator-1, generator-2" in said, said[-3000:]

@@ -17,6 +17,13 @@ place (``LocalLauncher``):
     write plan.json          the joining processes read their slots from it
     start the joining ones   they register and the controllers' pools grow
 
+A partial plan's generators time-share their slots with training, so a change parks them
+instead (``parks``): a leaving generator deregisters (its in-flight requests are re-issued
+the same way) and sleeps, its process and engine kept (on GPU vLLM's sleep mode frees its
+memory for training); a later change that gives the same slots back to that generator
+index wakes it (``Query("unpark")``: it registers again and trainer rank 0's push of the
+current weights wakes the engine) instead of starting a process and loading a model.
+
 A move of the trainer's slots (a new world size) goes through a checkpoint: the launcher
 asks the trainer group for one (``yatt.checkpoints``; with or without
 ``trainer.checkpoint_every``), written at the end of the step under way, and waits for
@@ -28,7 +35,8 @@ the step under way when the ranks die is trained again; only the steps after tha
 checkpoint count towards paying for the move (``Replanner(trainer_wait_steps=1)``). A
 layout change between disaggregated and colocated (``RUN_LAYOUTS``) is the same regroup:
 the new ranks host engines or not as ``plan.json`` says, and the generator processes of
-the old plan stop or those of the new one start (partial plans: the simulator). The
+the old plan stop or those of the new one start (a partial plan moves slots within the
+partial layout; the simulator also switches to and from it). The
 switch costs are this run's own: its start to READY (every role: an upper bound for one
 joining process, and for a new trainer group), and about a second to stop one
 (``LocalLauncher.make_adapter``).
@@ -54,8 +62,8 @@ from yatt.sampling import check_world_size
 
 DECISIONS_FILE = "placement.jsonl"
 RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
-"""The layouts a run re-plans between (a partial plan's engines sleep and wake with the
-trainer's steps: the simulator re-plans those)."""
+"""The layouts a run switches between (``placement.adaptive_layouts``); a partial run moves
+slots within its layout."""
 BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
 """The cumulative busy seconds each pool's workers report in their stats."""
 
@@ -95,6 +103,12 @@ def moved(old: Plan, new: Plan) -> tuple[list[tuple[str, int]], list[tuple[str, 
     return stop, start
 
 
+def parks(old: Plan, new: Plan, role: str) -> bool:
+    """Whether a change from ``old`` to ``new`` parks (and wakes) the ``role`` processes it
+    moves rather than stopping (and starting) them: the generators of a partial plan."""
+    return role == "generator" and old.layout == new.layout == "partial"
+
+
 def splits_over(config: BufferConfig, world_size: int) -> bool:
     """Whether the buffer's micro-batch waves split evenly over ``world_size`` ranks."""
     try:
@@ -115,7 +129,7 @@ class Adapter:
             plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
             workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
             patience=cfg.placement.adaptive_patience,
-            layouts=RUN_LAYOUTS if cfg.placement.adaptive_layouts else (plan.layout,),
+            layouts=RUN_LAYOUTS if cfg.placement.adaptive_layouts and plan.layout in RUN_LAYOUTS else (plan.layout,),
             world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
             trainer_wait_steps=1,  # a trainer move waits for the checkpoint it asks for: the step under way
         )  # fmt: skip

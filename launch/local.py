@@ -41,13 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.adaptive import RUN_LAYOUTS, Adapter, keep_places, moved
+from launch.adaptive import Adapter, keep_places, moved, parks
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
 from launch.placement import describe, make_plan, world_size_of, write_plan
 from launch.plan import BUILTIN_TINY, this_machine
-from protocols.messages import Ack, Query
+from protocols.messages import Ack, Query, WorkerInfo
 from yatt import trace
+from yatt.actor import Client
 from yatt.checkpoints import ask_for_checkpoint, withdraw_checkpoint_request
 from yatt.errors import (
     RUN_STOPPED_EXIT,
@@ -95,6 +96,17 @@ class Proc:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+
+@dataclass
+class Parked:
+    """A generator of a partial plan that a change took out of the pool: asleep, its
+    process kept for a later change that gives its slots back (``launch.adaptive``)."""
+
+    proc: Proc
+    worker: WorkerInfo
+    """Its directory entry when it left (the endpoint it still serves on)."""
+    slots: tuple[int, ...]
 
 
 def loopback_interface(host: str) -> str | None:
@@ -276,6 +288,8 @@ class LocalLauncher:
         self.adapter: Adapter | None = None
         """Re-plans from each step's measured times (placement.adaptive); None: the plan stays."""
         self._decisions: asyncio.Queue[dict[str, float]] = asyncio.Queue()
+        self.parked: dict[int, Parked] = {}
+        """Parked generators by index: out of the pool and the watch, asleep (``parks``)."""
         self._next_plan: tuple[Plan, str, int] | None = None
         """A re-planned plan to carry out, why, and the step it was decided after."""
         self._replan_from = checkpoint_step(resume) if resume is not None else 0
@@ -296,10 +310,6 @@ class LocalLauncher:
         READY, every role: an upper bound for one process, and for the ranks' build and
         checkpoint load); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
         if not self.cfg.placement.adaptive or self.plan is None or self.cluster is None:
-            return None
-        if self.plan.layout not in RUN_LAYOUTS:  # its generators sleep and wake with the trainer's steps
-            print("yatt: placement.adaptive: a partial run keeps its plan (a run re-plans disaggregated and "
-                  "colocated plans, and switches between them; partial ones in the simulator only)", flush=True)
             return None
         from launch.plan import with_peak
 
@@ -656,9 +666,14 @@ class LocalLauncher:
                 print(f"yatt: re-planning after step {int(line['step'])} failed ({e!r}); the plan stays", file=sys.stderr, flush=True)
                 continue
             if decision.changed:
-                self._next_plan = (decision.plan, decision.reason, int(line["step"]))
-                if self.plan is not None and new_trainer_group(self.plan, decision.plan):
-                    ask_for_checkpoint(self.run_dir, int(line["step"]))  # the new group starts from it
+                self.change_plan(decision.plan, decision.reason, int(line["step"]))
+
+    def change_plan(self, plan: Plan, reason: str, step: int) -> None:
+        """Carry out ``plan`` (decided after ``step``, for ``reason``) at the next step
+        boundary it can go at (``_plan_can_go``): the replanner's decisions come here."""
+        self._next_plan = (plan, reason, step)
+        if self.plan is not None and new_trainer_group(self.plan, plan):
+            ask_for_checkpoint(self.run_dir, step)  # the new group starts from it
 
     def _plan_can_go(self, plan: Plan, reason: str, step: int, *, logged: int) -> bool:
         """Whether a re-planned ``plan`` can be carried out now: at once when the trainer ranks
@@ -697,26 +712,76 @@ class LocalLauncher:
                 if p.role == "trainer" and p.popen.poll() is None:
                     _signal_group(p.popen, signal.SIGKILL)
         leaving = [p for p in self.procs if (p.role, p.index) in stop]
-        await self._stop(leaving)
-        await self._forget(leaving)
+        parked = await self._park(directory, [p for p in leaving if parks(self.plan, plan, p.role)])
+        await self._stop([p for p in leaving if p not in parked])
+        await self._forget([p for p in leaving if p not in parked])
         for p in leaving:
             self.procs.remove(p)
-        before, layout, self.plan = self.world_size, self.plan.layout, plan
+        old, layout, before, self.plan = self.plan, self.plan.layout, self.world_size, plan
         write_plan(plan, self.run_dir)
         resumed = None
         if regroup:
             withdraw_checkpoint_request(self.run_dir)
             checkpoint = await self._restart_trainers(directory, world_size=len(plan.of("trainer")))
             resumed = checkpoint_step(checkpoint) if checkpoint is not None else 0
+        woken = []
         for role, index in start:
-            self.procs.append(self._spawn(role, index))
-        stopped, started = (", ".join(f"{r}-{i}" for r, i in pairs) or "none" for pairs in (stop, start))
+            if parks(old, plan, role) and await self._unpark(directory, index, plan):
+                woken.append((role, index))
+            else:
+                self.procs.append(self._spawn(role, index))
+        said = {**{(p.role, p.index): " (parked)" for p in parked}, **{name: " (woken)" for name in woken}}
+        stopped, started = (", ".join(f"{r}-{i}{said.get((r, i), '')}" for r, i in pairs) or "none" for pairs in (stop, start))
         if regroup:
             started += f"; trainer group {before} -> {self.world_size} ranks from step {resumed}"
             if plan.layout != layout:
                 started += f", {layout} -> {plan.layout}"
         print(f"yatt: placement {reason}; stopped {stopped} ({time.monotonic() - began:.1f} s), started {started}", flush=True)
         return resumed
+
+    async def _park(self, directory: Directory, procs: list[Proc]) -> list[Proc]:
+        """Ask each generator of ``procs`` to leave the pool and sleep (``Query("park")``);
+        the ones that did, now in ``self.parked`` (the others are stopped instead)."""
+        members = {w.meta.get("pid"): w for w in directory.members("generator")}
+        done = []
+        for p in procs:
+            worker = members.get(str(p.popen.pid))
+            mine = [a for a in self.plan.of("generator") if a.index == p.index] if self.plan is not None else []
+            if worker is None or not mine or not await self._ask(directory, worker, "park"):
+                continue
+            stale = self.parked.pop(p.index, None)
+            if stale is not None:  # a parked one on other slots under the same index: not needed again
+                await self._stop([stale.proc])
+            self.parked[p.index] = Parked(proc=p, worker=worker, slots=mine[0].slots)
+            done.append(p)
+        return done
+
+    async def _unpark(self, directory: Directory, index: int, plan: Plan) -> bool:
+        """Bring parked generator ``index`` back into the pool if it sits on the slots ``plan``
+        gives that index (``Query("unpark")``; the trainer's weight push wakes it)."""
+        parked = self.parked.pop(index, None)
+        if parked is None:
+            return False
+        slots = next(a.slots for a in plan.of("generator") if a.index == index)
+        if parked.proc.popen.poll() is None and parked.slots == slots:
+            if await self._ask(directory, parked.worker, "unpark"):
+                self.procs.append(parked.proc)
+                return True
+        await self._stop([parked.proc])
+        return False
+
+    async def _ask(self, directory: Directory, worker: WorkerInfo, what: str) -> bool:
+        """``Query(what)`` to ``worker`` on a client of its own (a parking generator leaves the
+        directory before it answers); whether it acknowledged."""
+        client = Client(directory.transport, worker.endpoint, name="launcher")
+        try:
+            await client.request(Query(what=what), Ack, timeout=self.cfg.transport.request_timeout_s)
+        except (PeerLost, RemoteError, RequestTimeout, TransportError) as e:
+            print(f"yatt: placement: {worker.actor_id} did not {what} ({e}); it is stopped and started instead", file=sys.stderr, flush=True)
+            return False
+        finally:
+            await client.close()
+        return True
 
     def outcome(self, directory: Directory) -> int | None:
         """The launcher's exit code once its work is done by another sign than trainer rank 0
@@ -796,7 +861,7 @@ class LocalLauncher:
         return "\n".join(lines)
 
     async def _stop_all(self) -> None:
-        await self._stop(self.procs)
+        await self._stop(self.procs + [p.proc for p in self.parked.values()])
 
     async def _stop(self, procs: list[Proc]) -> None:
         """SIGTERM, then SIGKILL after the grace, to those of ``procs`` still running."""

@@ -65,11 +65,17 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def _serve(actor: Actor, registry: str, stop: asyncio.Event, until: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serve ``actor``, registered, until ``stop`` (or ``until`` returns, or the actor closes)."""
+async def _serve(
+    actor: Actor, registry: str, stop: asyncio.Event, until: Callable[[], Awaitable[None]] | None = None,
+    registered: Callable[[Registration], None] | None = None,
+) -> None:
+    """Serve ``actor``, registered, until ``stop`` (or ``until`` returns, or the actor closes);
+    ``registered`` is handed its registration (a generator leaves and rejoins the pool)."""
     await actor.start()
     try:
-        async with Registration(actor.transport, registry, actor.info(pid=str(os.getpid()))):
+        async with Registration(actor.transport, registry, actor.info(pid=str(os.getpid()))) as registration:
+            if registered is not None:
+                registered(registration)
             waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(actor.wait_closed())]
             if until is not None:
                 waits.append(asyncio.ensure_future(until()))
@@ -140,7 +146,11 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
         make_engine, str(args.model_path), cfg.generator, device=args.device, dtype=cfg.model.dtype, lora=cfg.model.lora
     )
     actor = Generator(transport, endpoint=f"tcp://{args.host}:*", engine=engine, config=cfg.generator)
-    await _serve(actor, args.registry, stop)
+
+    def parkable(registration: Registration) -> None:
+        actor.registration = registration
+
+    await _serve(actor, args.registry, stop, registered=parkable)
 
 
 async def _reward(

@@ -18,6 +18,13 @@ holds the engine between calls with ``paused()`` while it trains on the module t
 generates with, then ``set_version``; a generator of the partial layout is put to sleep by
 ``Query("sleep")`` (it finishes the current call, then makes none, and the engine frees
 what it can: vLLM's sleep mode on GPU) and wakes with the next weight update it applies.
+
+Parked (a re-planned partial run whose new plan takes this generator's slot for training
+or a judge, ``launch.adaptive``): ``Query("park")`` takes it out of the pool (it
+deregisters: the controllers re-issue its in-flight requests elsewhere; those it holds fail)
+and puts it to sleep, the process kept; ``Query("unpark")`` registers it again when a
+later change gives the slot back, and trainer rank 0's push of the current weights wakes
+it: a wake instead of a process start and a model load.
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ from workers.engines.base import Engine, PromptRequest, Sample
 from yatt import trace
 from yatt.actor import Actor, handles
 from yatt.config import GeneratorConfig
-from yatt.errors import ProtocolError
+from yatt.errors import ProtocolError, YattError
+from yatt.registry import Registration
 from yatt.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -82,6 +90,11 @@ class Generator(Actor):
         self._awake = asyncio.Event()
         self._awake.set()
         self.sleeps = 0
+        self.registration: Registration | None = None
+        """Its entry in the registry (set by whoever registers it): parking leaves it."""
+        self.parks = 0  # times parked; a request that began before a park fails
+        self._parked = False
+        self._pending: set[asyncio.Future[Completions]] = set()  # requests queued or in a batch
 
     async def on_start(self) -> None:
         self.spawn(self._batching(), name="batching")
@@ -92,9 +105,14 @@ class Generator(Actor):
             raise ProtocolError(f"GenerateRequest.n must be >= 1 (got {msg.n})")
         if msg.prompt_ids.ndim != 1 or msg.prompt_ids.numel() == 0:
             raise ProtocolError(f"GenerateRequest.prompt_ids must be a non-empty [P] tensor (got {list(msg.prompt_ids.shape)})")
+        parks = self.parks
         async with self._version_changed:
-            await self._version_changed.wait_for(lambda: self.version >= msg.min_policy_version)
+            await self._version_changed.wait_for(lambda: self.version >= msg.min_policy_version or self.parks != parks)
+        if self._parked or self.parks != parks:
+            raise YattError(f"{self.actor_id} was parked (out of the pool): the request goes to another generator")
         future: asyncio.Future[Completions] = asyncio.get_running_loop().create_future()
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         await self._queue.put((msg, future))
         return await future
 
@@ -117,10 +135,13 @@ class Generator(Actor):
                 await self._run(batch)
 
     async def _run(self, batch: list[tuple[GenerateRequest, asyncio.Future[Completions]]]) -> None:
+        await self._awake.wait()
+        batch = [(msg, fut) for msg, fut in batch if not fut.done()]  # failed by a park meanwhile
+        if not batch:
+            return
         requests = [
             PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling) for msg, _ in batch
         ]
-        await self._awake.wait()
         failed: Exception | None = None
         async with self._engine_lock:
             version = self.version
@@ -209,6 +230,30 @@ class Generator(Actor):
                 await asyncio.to_thread(self.engine.sleep)
         self.sleeps += 1
 
+    async def _park(self) -> None:
+        """Leave the pool and sleep, the process and its engine kept (module docstring)."""
+        if self._parked:
+            return
+        self._parked = True
+        self.parks += 1
+        with trace.span("park"):
+            if self.registration is not None:
+                await self.registration.close()  # the pool's controllers re-issue what it has in flight
+            async with self._version_changed:
+                self._version_changed.notify_all()  # requests waiting for a version fail now
+            for fut in list(self._pending):  # queued, or in a batch that waits for the engine
+                fut.set_exception(YattError(f"{self.actor_id} was parked (out of the pool): the request goes to another generator"))
+            await self._sleep()
+
+    async def _unpark(self) -> None:
+        """Back in the pool; asleep until the trainer's weight push (it is behind)."""
+        if not self._parked:
+            return
+        self._parked = False
+        if self.registration is not None:
+            with trace.span("unpark"):
+                await self.registration.start(timeout=self.transport.config.request_timeout_s)
+
     @handles(Query)
     async def query(self, msg: Query) -> Message:
         if msg.what == "version":
@@ -222,6 +267,12 @@ class Generator(Actor):
                     await asyncio.to_thread(self.engine.wake_up)
             self._awake.set()
             return Ack(seq=self.version, info={"status": "awake"})
+        if msg.what == "park":
+            await self._park()
+            return Ack(seq=self.version, info={"status": "parked"})
+        if msg.what == "unpark":
+            await self._unpark()
+            return Ack(seq=self.version, info={"status": "in the pool"})
         if msg.what == "stats":
             return Metrics(
                 values={
@@ -232,9 +283,10 @@ class Generator(Actor):
                     "generator/batches": float(self.batches),
                     "generator/queued": float(self._queue.qsize()),
                     "generator/sleeps": float(self.sleeps),
+                    "generator/parks": float(self.parks),
                 }
             )
-        raise ValueError(f"generator: unknown query {msg.what!r}; known: version, sleep, wake, stats")
+        raise ValueError(f"generator: unknown query {msg.what!r}; known: version, sleep, wake, park, unpark, stats")
 
     async def on_stop(self) -> None:
         while not self._queue.empty():

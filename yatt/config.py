@@ -633,9 +633,10 @@ class PlacementConfig:
     adaptive_layouts: bool = False
     """Let a re-planned run also switch between the disaggregated and colocated layouts
     (through a checkpoint, as a move of the trainer's slots); false: slots move within the
-    layout it started with. Off by default: a switch restarts the trainer group and every
-    engine, and a colocated step predicted from a disaggregated run's measurements was 30%
-    short of the measured one on a 2-core machine (0.37 against 0.53 s)."""
+    layout it started with (a partial run always does: its generators are parked and
+    woken). Off by default: a switch restarts the trainer group and every engine, and a
+    colocated step predicted from a disaggregated run's measurements was 30% short of the
+    measured one on a 2-core machine (0.37 against 0.53 s)."""
     cpu_slots: int = 0
     """On a CPU machine: the device slots its cores are cut into; 0: one per core. More slots
     than cores time-share them (each gets cores/slots of a core's throughput, and the planner

@@ -15,7 +15,8 @@ Spans of one kind may overlap inside a process (concurrent requests); readers ta
 union. Off (the default), ``span`` costs one attribute check.
 
 Kinds written (``benchmarks/stages.py`` reads them): generator ``generate`` (inside
-the engine) and ``weight_load``; reward ``score`` (inside the scorers); buffer ``offer``
+the engine), ``weight_load``, ``park`` and ``unpark`` (out of the pool and back: a
+re-planned partial run); reward ``score`` (inside the scorers); buffer ``offer``
 (a decision) and ``ledger_commit`` (one fsync for the decisions of one turn); trainer
 ranks ``wait_for_buffer``, ``forward_backward``, ``optimizer`` (gradient reduction,
 clip, step), ``weight_gather``, ``weight_push`` (rank 0: buckets to every generator,

@@ -7,10 +7,13 @@ colocated layout the same way."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from launch.config import load_run_config
 from tests.e2e.test_loop import finish, metrics
 from tests.learning import assert_default_job_learned
 from workers.reward import SLOW_ENV
+from yatt.placement.layouts import Roles, assign
+from yatt.placement.plan import Plan
 from yatt.trace import SLOW_TRAIN_ENV
 
 pytestmark = pytest.mark.slow
@@ -161,4 +166,118 @@ def test_training_turning_much_slower_switches_the_run_to_colocated(tmp_path: Pa
     assert all("time/switch_s" in r for r in rows[resumed:]) and not any("time/switch_s" in r for r in rows[:resumed])
     assert any(d["measured/generator_busy_workers"] == 4 for d in decisions if d["step"] > resumed), decisions[-3:]
     out = audit(run_dir, load_run_config(run_dir / "config.yaml").run.seed, training_prompts(run_dir), 0.0, True)
+    assert (out.lost, out.duplicated) == (0, 0) and out.steps_twice <= 1
+
+
+class Driven:
+    """A launcher run in this process, its plan changed from the test between steps through
+    the replanner's entry point (``LocalLauncher.change_plan``): deterministic moves."""
+
+    def __init__(self, run_dir: Path, items: list[str]) -> None:
+        from launch.local import LocalLauncher
+
+        self.run_dir = run_dir
+        self.cfg = load_run_config(None, items)
+        self.launcher = LocalLauncher(self.cfg, run_dir, show_progress=False)
+        self.run: asyncio.Future[int] | None = None
+
+    async def logged(self, step: int) -> None:
+        """Until ``step``'s metrics line is written."""
+        while not (self.run_dir / "metrics.jsonl").exists() or len(metrics(self.run_dir)) <= step:
+            assert self.run is not None and not self.run.done(), "the run ended first"
+            await asyncio.sleep(0.05)
+
+    def pid_of(self, name: str) -> int:
+        return next(p.popen.pid for p in self.launcher.procs if p.name == name)
+
+    def plan(self) -> Plan:
+        assert self.launcher.plan is not None
+        return self.launcher.plan
+
+
+def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default job in the partial layout on 4 slots (training on all, 2 generators on
+    slots 0 and 1), its plan changed twice: generator-1's slot goes to training only, then
+    back. The first change parks generator-1 (out of the pool, asleep, its process kept),
+    the second wakes the same process, which generates again; nothing lost or duplicated."""
+    run_dir = tmp_path / "partial"
+    driven = Driven(run_dir, ["placement.layout=partial", "placement.cpu_slots=4", "run.num_generators=2",
+                              "trainer.world_size=1", "placement.adaptive=false", "run.steps=10",
+                              "run.eval_every=0", "run.trace=true"])  # fmt: skip
+    seen: dict[str, float] = {}
+
+    async def drive() -> int:
+        driven.run = asyncio.ensure_future(driven.launcher.run())
+        await driven.logged(2)
+        both = driven.plan()
+        assert both.layout == "partial"
+        seen["pid"] = driven.pid_of("generator-1")
+        one = replace(both, assignments=tuple(a for a in both.assignments if (a.role, a.index) != ("generator", 1)))
+        driven.launcher.change_plan(one, "1 slots generate -> train (the test's)", 2)
+        await driven.logged(5)
+        seen["parked_until"] = time.time()
+        assert 1 in driven.launcher.parked and not any(p.name == "generator-1" for p in driven.launcher.procs)
+        driven.launcher.change_plan(both, "1 slots train -> generate (the test's)", 5)
+        await driven.logged(6)
+        seen["woken_pid"] = driven.pid_of("generator-1")
+        return await driven.run
+
+    assert asyncio.run(drive()) == 0
+    said = "".join(capsys.readouterr())  # stdout and stderr
+    assert "stopped generator-1 (parked)" in said and "started generator-1 (woken)" in said, said[-3000:]
+    assert seen["woken_pid"] == seen["pid"], "generator-1 was started again, not woken"
+    assert "exited with code" not in said and "restarting" not in said, said[-3000:]
+    spans = [json.loads(line) for line in (run_dir / "trace" / "generator-1.jsonl").read_text().splitlines()]
+    park = next(s for s in spans if s["kind"] == "park")
+    unpark = next(s for s in spans if s["kind"] == "unpark")
+    generated = [s["start"] for s in spans if s["kind"] == "generate"]
+    assert park["start"] < unpark["start"] < seen["parked_until"] + 5
+    assert not any(park["start"] + park["duration"] < t < unpark["start"] for t in generated), "it generated while parked"
+    assert any(t > unpark["start"] for t in generated), "the woken generator never generated again"
+    assert [int(r["step"]) for r in metrics(run_dir)] == list(range(10))
+    out = audit(run_dir, driven.cfg.run.seed, training_prompts(run_dir), 0.0, True)
+    assert (out.lost, out.duplicated, out.steps_twice) == (0, 0, 0)
+
+
+def test_a_colocated_run_switched_to_disaggregated_goes_on_from_the_checkpoint_it_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The other direction of the live layout switch above: the default job colocated on 4
+    slots (2 ranks, each hosting an engine) changed after step 2 to disaggregated (1 rank,
+    3 generator processes). The change asks for a checkpoint of the step under way; the
+    two ranks stop, one starts from it (DCP reshards 2 -> 1), three generators start and
+    generate the rest; no line missing, nothing lost or duplicated."""
+    run_dir = tmp_path / "colocated"
+    driven = Driven(run_dir, ["placement.layout=colocated", "placement.cpu_slots=4", "trainer.world_size=2",
+                              "placement.adaptive=false", "trainer.checkpoint_every=0", "run.steps=10",
+                              "run.eval_every=0", "run.trace=true"])  # fmt: skip
+
+    async def drive() -> int:
+        driven.run = asyncio.ensure_future(driven.launcher.run())
+        await driven.logged(2)
+        colocated = driven.plan()
+        assert colocated.layout == "colocated" and len(colocated.of("trainer")) == 2
+        assert driven.launcher.cluster is not None
+        roles = Roles(trainers=1, generators=3, rewards=len(colocated.of("reward")),
+                      controllers=len(colocated.of("controller")))  # fmt: skip
+        driven.launcher.change_plan(assign("disaggregated", driven.launcher.cluster, roles), "layout colocated -> disaggregated (the test's)", 2)
+        return await driven.run
+
+    assert asyncio.run(drive()) == 0
+    said = "".join(capsys.readouterr())  # stdout and stderr
+    resumed = int(said.split("trainer group 2 -> 1 ranks from step ")[1].split(",")[0])
+    assert 4 <= resumed <= 5, said[-3000:]  # the step under way when it was decided (3), or the next
+    assert ", colocated -> disaggregated" in said and "started generator-0, generator-1, generator-2" in said, said[-3000:]
+    assert "exited with code" not in said, said[-3000:]
+    checkpoints = sorted(int(d.name[5:]) for d in (run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints == [resumed, 10], checkpoints  # the asked one and the last
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["layout"] == "disaggregated" and [a["index"] for a in plan["assignments"] if a["role"] == "trainer"] == [0]
+    rows = metrics(run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(10))
+    assert not any("time/switch_s" in r for r in rows[resumed:])  # no turns taken: the engines are their own
+    for g in range(3):  # each new generator served the steps after it
+        spans = [json.loads(line) for line in (run_dir / "trace" / f"generator-{g}.jsonl").read_text().splitlines()]
+        assert any(s["kind"] == "generate" for s in spans), g
+    out = audit(run_dir, driven.cfg.run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated) == (0, 0) and out.steps_twice <= 1

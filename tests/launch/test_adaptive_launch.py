@@ -86,10 +86,10 @@ def test_placement_knobs_that_cannot_work_are_named(item: str, says: str) -> Non
         (["placement.layout=disaggregated"], True),
         (["placement.layout=disaggregated", "placement.adaptive=false"], False),  # pinned
         (["placement.layout=colocated"], True),  # no move to make; its decisions are logged
-        (["placement.layout=partial"], False),  # re-planned in the simulator only
+        (["placement.layout=partial"], True),  # within the partial layout: its generators are parked and woken
     ],
 )
-def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool, tmp_path: Path) -> None:
+def test_a_run_re_plans_unless_pinned(items: list[str], replans: bool, tmp_path: Path) -> None:
     from launch.local import LocalLauncher
 
     launcher = LocalLauncher(load_run_config(EXAMPLE, items), tmp_path, show_progress=False)
@@ -101,7 +101,8 @@ def test_a_run_re_plans_unless_pinned_or_partial(items: list[str], replans: bool
         switching = LocalLauncher(load_run_config(EXAMPLE, [*items, "placement.adaptive_layouts=true"]), tmp_path)
         switching.plan = switching.make_plan()
         both = switching.make_adapter(ready_s=12.0)
-        assert both is not None and both.replanner.layouts == ("disaggregated", "colocated")
+        partial = launcher.plan.layout == "partial"  # it switches to no other layout
+        assert both is not None and both.replanner.layouts == (("partial",) if partial else ("disaggregated", "colocated"))
         assert adapter.replanner.switch.to_rollout_s == adapter.replanner.switch.reshard_s == 12.0
         assert adapter.replanner.world_sizes == {1, 2, 4}  # a wave of 64 samples, 4 slots: no 3-rank group
         assert adapter.replanner.trainer_wait_steps == 1  # a trainer move waits for the checkpoint it asks for

@@ -20,6 +20,7 @@ from protocols.messages import (
     Completions,
     GenerateRequest,
     GroupKey,
+    Metrics,
     MicroBatch,
     Query,
     SamplingParams,
@@ -30,6 +31,7 @@ from workers.generator import Generator
 from yatt.actor import Client
 from yatt.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
 from yatt.errors import ProtocolError, RemoteError
+from yatt.registry import Directory, Registration, Registry
 from yatt.transport import Transport
 
 
@@ -170,6 +172,50 @@ async def test_a_restarted_trainer_groups_weights_replace_a_dead_ones(transport:
             assert gen.version == 1
             reply = await client.request(request(0), Completions, timeout=300)
             assert all(c.policy_version_min == 1 for c in reply.completions)
+
+
+async def test_a_parked_generator_leaves_the_pool_fails_what_it_holds_and_comes_back(
+    transport: Transport, tiny_model_dir: Path
+) -> None:
+    """``Query("park")`` (a re-planned partial run): the generator leaves the directory,
+    fails the requests it holds (queued or waiting for a version: their callers re-issue
+    them) and those that still reach it, and sleeps; ``Query("unpark")`` registers it again,
+    and the next weight update wakes it to serve."""
+    config = GeneratorConfig()
+    engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    update = WeightUpdate(version=1, bucket_index=0, num_buckets=1, names=list(state), tensors=list(state.values()))
+    async with (
+        Registry(transport, endpoint="tcp://127.0.0.1:*", publish_endpoint="tcp://127.0.0.1:*") as registry,
+        Directory(transport, registry.endpoint) as directory,
+        Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen,
+        Registration(transport, registry.endpoint, gen.info()) as registration,
+        Client(transport, gen.endpoint) as client,
+    ):
+        gen.registration = registration
+        await directory.wait_until(lambda d: len(d.members("generator")) == 1, timeout=10)
+        await client.request(Query(what="sleep"), Ack)  # as between two partial steps
+        held = asyncio.ensure_future(client.request(request(0), Completions, timeout=300))  # waits for a wake
+        waiting = asyncio.ensure_future(client.request(request(3, min_version=1), Completions, timeout=300))
+        await asyncio.sleep(0.3)
+        assert not held.done() and not waiting.done()
+        assert (await client.request(Query(what="park"), Ack)).info["status"] == "parked"
+        await directory.wait_until(lambda d: not d.members("generator"), timeout=10)
+        for failed in (held, waiting):
+            with pytest.raises(RemoteError, match="was parked"):
+                await asyncio.wait_for(failed, 10)
+        with pytest.raises(RemoteError, match="was parked"):
+            await client.request(request(1), Completions, timeout=10)
+        stats = await client.request(Query(what="stats"), Metrics)
+        assert stats.values["generator/parks"] == 1 and stats.values["generator/sleeps"] == 2
+        assert (await client.request(Query(what="unpark"), Ack)).info["status"] == "in the pool"
+        await directory.wait_until(lambda d: len(d.members("generator")) == 1, timeout=10)
+        sleeping = asyncio.ensure_future(client.request(request(2), Completions, timeout=300))
+        await asyncio.sleep(0.2)
+        assert not sleeping.done(), "served before a weight update woke it"
+        assert (await client.request(update, Ack)).info["status"] == "applied"
+        reply = await asyncio.wait_for(sleeping, 300)
+        assert all(c.policy_version_min == 1 for c in reply.completions)
 
 
 SEQ_PROMPT = [1, 17, 42, 99, 250]

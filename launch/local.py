@@ -853,9 +853,10 @@ class LocalLauncher:
     def roles_report(self) -> str:
         """Each role process: alive or its exit code, its restarts, the tail of its log."""
         lines = []
-        for p in self.procs:
+        parked = [x.proc for x in self.parked.values()]
+        for p in self.procs + parked:
             code = p.popen.poll()
-            state = "alive" if code is None else f"exited {code}"
+            state = f"exited {code}" if code is not None else "parked" if p in parked else "alive"
             lines.append(f"  {p.name}: {state}, {p.restarts} restarts, log {p.log}:")
             lines.extend(f"    {line}" for line in log_tail(p.log, 5).splitlines())
         return "\n".join(lines)

@@ -6,7 +6,9 @@ reward worker for its busy time (``Query("stats")``: ``generator/generate_s``,
 ``reward/busy_s``), takes the step's share, adds the trainer's times, lengths and
 acceptance from the metrics line, and hands the ``StepTimes`` to a ``Replanner`` seeded
 with the planner's own estimates for the run. Every decision is a line of
-``<run_dir>/placement.jsonl`` (its reason, predicted step times, gain, switch cost; the
+``<run_dir>/placement.jsonl`` (its reason, predicted step times, gain, switch cost; its
+scalars also in TensorBoard, as the run ``tensorboard/placement``, with each change's
+reason as text; not in wandb, which takes one writer per run, rank 0; the
 first ``placement.adaptive_warmup`` steps of a run and after each change are written, not
 re-planned on: ``Adapter.settle``); when the plan changes, the launcher carries it out in
 place (``LocalLauncher``):
@@ -48,7 +50,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launch.config import RunConfig
 from launch.plan import run_costs, run_sizes, run_workload
@@ -59,6 +61,9 @@ from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
 from yatt.placement.plan import Assignment, ClusterSpec, Layout, Plan
 from yatt.registry import Directory
 from yatt.sampling import check_world_size
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 DECISIONS_FILE = "placement.jsonl"
 RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
@@ -135,6 +140,8 @@ class Adapter:
         )  # fmt: skip
         self.warm_until = 0
         """The first step re-planned on (``settle``)."""
+        self._tensorboard = run_dir / "tensorboard" / "placement" if "tensorboard" in cfg.run.report_to else None
+        self._writer: SummaryWriter | None = None
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
         self.busy_workers = {role: 0 for role in BUSY_KEYS}
         """Workers of each pool busy in the last measured step."""
@@ -204,3 +211,21 @@ class Adapter:
         record.update({f"measured/{role}_busy_workers": n for role, n in self.busy_workers.items()})
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            if self._writer is None:
+                from torch.utils.tensorboard import SummaryWriter as Writer
+
+                self._writer = Writer(str(self._tensorboard))
+            step = int(record["step"])
+            for key, value in record.items():
+                if isinstance(value, float | int) and key != "step":
+                    self._writer.add_scalar(key, value, step)
+            if record.get("placement/changed"):
+                self._writer.add_text("placement/change", record["reason"], step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Close the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

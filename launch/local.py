@@ -417,6 +417,8 @@ class LocalLauncher:
                         if replan is not None:
                             replan.cancel()
                             await asyncio.gather(replan, return_exceptions=True)
+                        if self.adapter is not None:
+                            self.adapter.close()
                     if code == 0:
                         print(f"yatt: {finish_line(self.run_dir)}", flush=True)
                     return code

@@ -620,7 +620,8 @@ class PlacementConfig:
     slots move between the generator, reward-engine and trainer pools (or the layout
     changes: ``adaptive_layouts``) at a step boundary when a neighbouring plan is predicted
     faster by ``adaptive_margin`` for ``adaptive_patience`` steps and pays back its switch.
-    Every decision is a line of ``placement.jsonl``; false pins the plan of the start."""
+    Every decision is a line of ``placement.jsonl`` (and TensorBoard scalars of the run
+    ``tensorboard/placement``); false pins the plan of the start."""
     adaptive_margin: float = 0.05
     """Share of the predicted step time a neighbouring plan must save to be considered."""
     adaptive_patience: int = 3

@@ -151,3 +151,36 @@ def test_warm_up_steps_are_written_not_re_planned_on(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [0, 1, 7, 8]
     assert all(r["reason"].startswith("warm-up (placement.adaptive_warmup=2)") and r["measured/generate_s"] == 9.0
                for r in records)  # fmt: skip
+
+
+def test_each_decision_is_a_tensorboard_scalar_and_a_change_its_reason_as_text(tmp_path: Path) -> None:
+    """Beside ``placement.jsonl``, the decisions are TensorBoard scalars of the run
+    ``tensorboard/placement`` (with the run's own scalars), and a change's reason is text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from launch.local import LocalLauncher
+    from yatt.placement.adaptive import StepTimes
+
+    items = ["placement.adaptive_warmup=0", "placement.adaptive_patience=2"]
+    launcher = LocalLauncher(load_run_config(EXAMPLE, items), tmp_path, show_progress=False)
+    launcher.plan = launcher.make_plan()
+    adapter = launcher.make_adapter(ready_s=1.0)
+    assert adapter is not None
+    slow_judge = StepTimes(generate_s=0.05, tail_s=0.0, reward_s=9.0, train_s=0.1, weight_sync_s=0.0,
+                           completion_mean=6, completion_p90=8, acceptance=1.0)  # fmt: skip
+    decisions = [adapter.decide(step, slow_judge) for step in range(3)]
+    adapter.close()
+    assert [d.changed for d in decisions] == [False, True, False], [d.reason for d in decisions]
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "placement"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("placement/changed")] == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    assert [e.value for e in events.Scalars("measured/reward_s")] == [9.0, 9.0, 9.0]
+    [text] = events.Tensors("placement/change/text_summary")
+    assert text.step == 1 and "1 slots generate -> reward" in text.tensor_proto.string_val[0].decode()
+    (tmp_path / "quiet").mkdir()
+    pinned = LocalLauncher(load_run_config(EXAMPLE, [*items, "run.report_to=[]"]), tmp_path / "quiet", show_progress=False)
+    pinned.plan = pinned.make_plan()
+    quiet = pinned.make_adapter(ready_s=1.0)
+    assert quiet is not None
+    quiet.decide(0, slow_judge)
+    assert not (tmp_path / "quiet" / "tensorboard").exists()  # report_to without tensorboard

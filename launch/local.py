@@ -770,6 +770,7 @@ class LocalLauncher:
                 self.procs.append(parked.proc)
                 return True
         await self._stop([parked.proc])
+        await self._forget([parked.proc])  # in case it registered again before it failed
         return False
 
     async def _ask(self, directory: Directory, worker: WorkerInfo, what: str) -> bool:
@@ -779,7 +780,7 @@ class LocalLauncher:
         try:
             await client.request(Query(what=what), Ack, timeout=self.cfg.transport.request_timeout_s)
         except (PeerLost, RemoteError, RequestTimeout, TransportError) as e:
-            print(f"yatt: placement: {worker.actor_id} did not {what} ({e}); it is stopped and started instead", file=sys.stderr, flush=True)
+            print(f"yatt: placement: {worker.actor_id} did not {what} ({e}); it is stopped (and a new process started where the plan has one)", file=sys.stderr, flush=True)
             return False
         finally:
             await client.close()

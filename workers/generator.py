@@ -234,11 +234,12 @@ class Generator(Actor):
         """Leave the pool and sleep, the process and its engine kept (module docstring)."""
         if self._parked:
             return
+        if self.registration is None:
+            raise ProtocolError(f"Query('park'): {self.actor_id} is not registered by its own process (a colocated engine): it cannot leave the pool")
         self._parked = True
         self.parks += 1
         with trace.span("park"):
-            if self.registration is not None:
-                await self.registration.close()  # the pool's controllers re-issue what it has in flight
+            await self.registration.close()  # the pool's controllers re-issue what it has in flight
             async with self._version_changed:
                 self._version_changed.notify_all()  # requests waiting for a version fail now
             for fut in list(self._pending):  # queued, or in a batch that waits for the engine

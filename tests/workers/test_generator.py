@@ -192,6 +192,8 @@ async def test_a_parked_generator_leaves_the_pool_fails_what_it_holds_and_comes_
         Registration(transport, registry.endpoint, gen.info()) as registration,
         Client(transport, gen.endpoint) as client,
     ):
+        with pytest.raises(RemoteError, match="not registered by its own process"):
+            await client.request(Query(what="park"), Ack)  # (a colocated engine's case)
         gen.registration = registration
         await directory.wait_until(lambda d: len(d.members("generator")) == 1, timeout=10)
         await client.request(Query(what="sleep"), Ack)  # as between two partial steps

@@ -174,15 +174,18 @@ async def test_a_restarted_trainer_groups_weights_replace_a_dead_ones(transport:
             assert all(c.policy_version_min == 1 for c in reply.completions)
 
 
+@pytest.mark.parametrize("engine_on", ["transformers-cpu", pytest.param("vllm-cuda", marks=[pytest.mark.gpu, pytest.mark.vllm])])
 async def test_a_parked_generator_leaves_the_pool_fails_what_it_holds_and_comes_back(
-    transport: Transport, tiny_model_dir: Path
+    transport: Transport, tiny_model_dir: Path, engine_on: str
 ) -> None:
     """``Query("park")`` (a re-planned partial run): the generator leaves the directory,
     fails the requests it holds (queued or waiting for a version: their callers re-issue
-    them) and those that still reach it, and sleeps; ``Query("unpark")`` registers it again,
-    and the next weight update wakes it to serve."""
-    config = GeneratorConfig()
-    engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
+    them) and those that still reach it, and sleeps (on GPU, vLLM's sleep mode gives the
+    memory back to training); ``Query("unpark")`` registers it again, and the next weight
+    update wakes it to serve."""
+    gpu = engine_on == "vllm-cuda"
+    config = GeneratorConfig(backend="vllm", vllm_max_model_len=256, vllm_gpu_memory_utilization=0.3, seed=0) if gpu else GeneratorConfig()
+    engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config, device="cuda" if gpu else "cpu")
     state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     update = WeightUpdate(version=1, bucket_index=0, num_buckets=1, names=list(state), tensors=list(state.values()))
     async with (
@@ -196,6 +199,7 @@ async def test_a_parked_generator_leaves_the_pool_fails_what_it_holds_and_comes_
             await client.request(Query(what="park"), Ack)  # (a colocated engine's case)
         gen.registration = registration
         await directory.wait_until(lambda d: len(d.members("generator")) == 1, timeout=10)
+        free_awake = torch.cuda.mem_get_info()[0] if gpu else 0
         await client.request(Query(what="sleep"), Ack)  # as between two partial steps
         held = asyncio.ensure_future(client.request(request(0), Completions, timeout=300))  # waits for a wake
         waiting = asyncio.ensure_future(client.request(request(3, min_version=1), Completions, timeout=300))
@@ -210,6 +214,8 @@ async def test_a_parked_generator_leaves_the_pool_fails_what_it_holds_and_comes_
             await client.request(request(1), Completions, timeout=10)
         stats = await client.request(Query(what="stats"), Metrics)
         assert stats.values["generator/parks"] == 1 and stats.values["generator/sleeps"] == 2
+        if gpu:  # parked, it holds neither KV cache nor weights on the GPU
+            assert torch.cuda.mem_get_info()[0] - free_awake > 100 << 20, "parked, it freed less than 100 MiB"
         assert (await client.request(Query(what="unpark"), Ack)).info["status"] == "in the pool"
         await directory.wait_until(lambda d: len(d.members("generator")) == 1, timeout=10)
         sleeping = asyncio.ensure_future(client.request(request(2), Completions, timeout=300))

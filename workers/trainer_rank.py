@@ -157,6 +157,7 @@ class TrainerRank:
         self.engine = engine  # colocated: the engine this rank hosts
         self.generator: Generator | None = None  # colocated: the actor serving it
         self._paused: contextlib.AsyncExitStack | None = None  # colocated: the engine held while training
+        self._training_turn = False  # partial, rank 0: the generators' slots are training's now
         self.switch_s = 0.0
         self._buckets: list[WeightUpdate] = []  # rank 0: the last published version
         self._synced: dict[str, int] = {}  # rank 0: generator actor id -> version it holds
@@ -337,6 +338,7 @@ class TrainerRank:
         if self._slow is not None and self._slow.active(step):  # the step's extra compute, split over the ranks
             await asyncio.sleep(self._slow.seconds / self.trainer.world_size)
         train_s = time.perf_counter() - start
+        self._training_turn = False  # a generator that joined meanwhile gets its weights now
         if self.rank == 0 and self._checkpoint_asked():
             staleness[3] = 1.0
         await asyncio.to_thread(dist.all_reduce, staleness)
@@ -440,6 +442,7 @@ class TrainerRank:
             await self._paused.enter_async_context(self.generator.paused())
             await asyncio.to_thread(self._sleep_engine)
         elif self.layout == "partial" and self.rank == 0:
+            self._training_turn = True
             await self._ask_generators(directory, "sleep")
 
     async def _resume_generation(self, buffer: BufferLink, version: int) -> None:
@@ -559,7 +562,9 @@ class TrainerRank:
     async def _watch_generators(self, directory: Directory) -> None:
         """Bring generators that (re)joined up to the current version: as the directory
         sees one join (a restarted generator waited up to a heartbeat interval, 1 s, for
-        its weights), and every heartbeat interval (a push that failed is tried again)."""
+        its weights), and every heartbeat interval (a push that failed is tried again). Not
+        while a partial step trains on the generators' slots: the push would wake a woken
+        (parked) generator into the memory training holds; it comes once training ends."""
         while True:
             seen = {w.actor_id for w in _external(directory)}
 
@@ -568,6 +573,8 @@ class TrainerRank:
 
             with contextlib.suppress(RequestTimeout):
                 await directory.wait_until(joined, self.cfg.transport.heartbeat_interval_s)
+            if self._training_turn:  # a push would wake it into the memory training holds (partial)
+                continue
             current = {w.actor_id for w in _external(directory)}
             for actor_id in list(self._synced):
                 if actor_id not in current:

@@ -195,11 +195,16 @@ class Driven:
         return self.launcher.plan
 
 
-def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default job in the partial layout on 4 slots (training on all, 2 generators on
     slots 0 and 1), its plan changed twice: generator-1's slot goes to training only, then
     back. The first change parks generator-1 (out of the pool, asleep, its process kept),
-    the second wakes the same process, which generates again; nothing lost or duplicated."""
+    the second wakes the same process, which generates again; nothing lost or duplicated.
+    The second change is carried out while a step trains (made 1 s longer from step 4):
+    the woken generator gets its weights (which wake its engine) only once training ends."""
+    monkeypatch.setenv(SLOW_TRAIN_ENV, "4:1.0")
     run_dir = tmp_path / "partial"
     driven = Driven(run_dir, ["placement.layout=partial", "placement.cpu_slots=4", "run.num_generators=2",
                               "trainer.world_size=1", "placement.adaptive=false", "run.steps=10",
@@ -215,6 +220,7 @@ def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(tm
         one = replace(both, assignments=tuple(a for a in both.assignments if (a.role, a.index) != ("generator", 1)))
         driven.launcher.change_plan(one, "1 slots generate -> train (the test's)", 2)
         await driven.logged(5)
+        await asyncio.sleep(0.5)  # step 6 trains now (its batch generated in ~0.2 s, then 1.1 s of training)
         seen["parked_until"] = time.time()
         assert 1 in driven.launcher.parked and not any(p.name == "generator-1" for p in driven.launcher.procs)
         driven.launcher.change_plan(both, "1 slots train -> generate (the test's)", 5)
@@ -234,6 +240,10 @@ def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(tm
     assert park["start"] < unpark["start"] < seen["parked_until"] + 5
     assert not any(park["start"] + park["duration"] < t < unpark["start"] for t in generated), "it generated while parked"
     assert any(t > unpark["start"] for t in generated), "the woken generator never generated again"
+    trainer = [json.loads(line) for line in (run_dir / "trace" / "trainer-0.jsonl").read_text().splitlines()]
+    push = next(s["start"] for s in trainer if s["kind"] == "weight_push" and s["start"] > unpark["start"])
+    loaded = next(s["start"] for s in spans if s["kind"] == "weight_load" and s["start"] > unpark["start"])
+    assert loaded >= push, f"woken {loaded - unpark['start']:.2f} s after its unpark, {push - loaded:.2f} s before training ended"
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(10))
     out = audit(run_dir, driven.cfg.run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated, out.steps_twice) == (0, 0, 0)

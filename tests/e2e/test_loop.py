@@ -292,7 +292,7 @@ def test_killed_colocated_rank_restarts_the_trainer_group_losing_nothing(tmp_pat
 
 @pytest.mark.parametrize("layout", ["colocated", "partial", "disaggregated"])
 def test_resume_gives_the_same_steps(tmp_path: Path, layout: str) -> None:
-    overrides = ("run.steps=8", "trainer.checkpoint_every=4", f"placement.layout={layout}", "trainer.keep_checkpoints=1")
+    overrides: tuple[str, ...] = ("run.steps=8", "trainer.checkpoint_every=4", f"placement.layout={layout}", "trainer.keep_checkpoints=1")
     if layout == "colocated":  # roles started from their command lines, not forked: they too die with the launcher
         overrides += ("run.fork_roles=false",)
     if layout == "disaggregated":

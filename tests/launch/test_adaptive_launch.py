@@ -93,18 +93,19 @@ def test_a_run_re_plans_unless_pinned(items: list[str], replans: bool, tmp_path:
     from launch.local import LocalLauncher
 
     launcher = LocalLauncher(load_run_config(EXAMPLE, items), tmp_path, show_progress=False)
-    launcher.plan = launcher.make_plan()
+    launcher.plan = plan = launcher.make_plan()
+    assert plan is not None
     adapter = launcher.make_adapter(ready_s=12.0)
     assert (adapter is not None) == replans
     if adapter is not None:
-        assert not adapter.replanner.keep_trainers and adapter.replanner.layouts == (launcher.plan.layout,)
+        assert not adapter.replanner.keep_trainers and adapter.replanner.layouts == (plan.layout,)
         switching = LocalLauncher(load_run_config(EXAMPLE, [*items, "placement.adaptive_layouts=true"]), tmp_path)
         switching.plan = switching.make_plan()
         both = switching.make_adapter(ready_s=12.0)
-        partial = launcher.plan.layout == "partial"  # it switches to no other layout
+        partial = plan.layout == "partial"  # it switches to no other layout
         assert both is not None and both.replanner.layouts == (("partial",) if partial else ("disaggregated", "colocated"))
         assert adapter.replanner.switch.to_rollout_s == adapter.replanner.switch.reshard_s == 12.0
-        assert adapter.replanner.world_sizes == {1, 2, 4}  # a wave of 64 samples, 4 slots: no 3-rank group
+        assert adapter.replanner.world_sizes == frozenset({1, 2, 4})  # a wave of 64 samples, 4 slots: no 3-rank group
         assert adapter.replanner.trainer_wait_steps == 1  # a trainer move waits for the checkpoint it asks for
         without = LocalLauncher(load_run_config(EXAMPLE, [*items, "trainer.checkpoint_every=0"]), tmp_path)
         without.plan = without.make_plan()

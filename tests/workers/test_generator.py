@@ -9,6 +9,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def request(i: int, *, n: int = 2, min_version: int = 0) -> GenerateRequest:
 
 
 @pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
-async def test_two_clients_at_once_are_batched(transport: Transport, tiny_model_dir: Path, backend: str) -> None:
+async def test_two_clients_at_once_are_batched(transport: Transport, tiny_model_dir: Path, backend: Literal["transformers", "vllm"]) -> None:
     config = GeneratorConfig(backend=backend, batch_wait_ms=50, vllm_max_model_len=256)
     engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
     async with Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen:

@@ -187,6 +187,15 @@ class Driven:
             assert self.run is not None and not self.run.done(), "the run ended first"
             await asyncio.sleep(0.05)
 
+    async def turn_taken(self, after: float) -> None:
+        """Until trainer rank 0 has put the generators to sleep for a step's training (a
+        partial plan), later than ``after``."""
+        trace = self.run_dir / "trace" / "trainer-0.jsonl"
+        while not any(s["kind"] == "generators_sleep" and s["start"] > after
+                      for s in map(json.loads, trace.read_text().splitlines())):  # fmt: skip
+            assert self.run is not None and not self.run.done(), "the run ended first"
+            await asyncio.sleep(0.01)
+
     def pid_of(self, name: str) -> int:
         return next(p.popen.pid for p in self.launcher.procs if p.name == name)
 
@@ -220,7 +229,7 @@ def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(
         one = replace(both, assignments=tuple(a for a in both.assignments if (a.role, a.index) != ("generator", 1)))
         driven.launcher.change_plan(one, "1 slots generate -> train (the test's)", 2)
         await driven.logged(5)
-        await asyncio.sleep(0.5)  # step 6 trains now (its batch generated in ~0.2 s, then 1.1 s of training)
+        await driven.turn_taken(after=time.time())  # step 6 trains now, for 1 s more
         seen["parked_until"] = time.time()
         assert 1 in driven.launcher.parked and not any(p.name == "generator-1" for p in driven.launcher.procs)
         driven.launcher.change_plan(both, "1 slots train -> generate (the test's)", 5)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from launch.adaptive import Adapter, keep_places, moved, parks
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
-from launch.placement import describe, make_plan, world_size_of, write_plan
+from launch.placement import assignment_for, describe, make_plan, world_size_of, write_plan
 from launch.plan import BUILTIN_TINY, this_machine
 from protocols.messages import Ack, Query, WorkerInfo
 from yatt import trace
@@ -715,8 +715,9 @@ class LocalLauncher:
                     _signal_group(p.popen, signal.SIGKILL)
         leaving = [p for p in self.procs if (p.role, p.index) in stop]
         parked = await self._park(directory, [p for p in leaving if parks(self.plan, plan, p.role)])
-        await self._stop([p for p in leaving if p not in parked])
-        await self._forget([p for p in leaving if p not in parked])
+        stopping = [p for p in leaving if p not in parked]
+        await self._stop(stopping)
+        await self._forget(stopping)
         for p in leaving:
             self.procs.remove(p)
         old, layout, before, self.plan = self.plan, self.plan.layout, self.world_size, plan
@@ -748,13 +749,11 @@ class LocalLauncher:
         done = []
         for p in procs:
             worker = members.get(str(p.popen.pid))
-            mine = [a for a in self.plan.of("generator") if a.index == p.index] if self.plan is not None else []
-            if worker is None or not mine or not await self._ask(directory, worker, "park"):
+            mine = assignment_for(self.plan, "generator", p.index)
+            if worker is None or mine is None or not await self._ask(directory, worker, "park"):
                 continue
-            stale = self.parked.pop(p.index, None)
-            if stale is not None:  # a parked one on other slots under the same index: not needed again
-                await self._stop([stale.proc])
-            self.parked[p.index] = Parked(proc=p, worker=worker, slots=mine[0].slots)
+            assert p.index not in self.parked  # a start under its index woke it or stopped it
+            self.parked[p.index] = Parked(proc=p, worker=worker, slots=mine.slots)
             done.append(p)
         return done
 
@@ -764,8 +763,8 @@ class LocalLauncher:
         parked = self.parked.pop(index, None)
         if parked is None:
             return False
-        slots = next(a.slots for a in plan.of("generator") if a.index == index)
-        if parked.proc.popen.poll() is None and parked.slots == slots:
+        mine = assignment_for(plan, "generator", index)
+        if parked.proc.popen.poll() is None and mine is not None and parked.slots == mine.slots:
             if await self._ask(directory, parked.worker, "unpark"):
                 self.procs.append(parked.proc)
                 return True

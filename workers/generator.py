@@ -109,7 +109,7 @@ class Generator(Actor):
         async with self._version_changed:
             await self._version_changed.wait_for(lambda: self.version >= msg.min_policy_version or self.parks != parks)
         if self._parked or self.parks != parks:
-            raise YattError(f"{self.actor_id} was parked (out of the pool): the request goes to another generator")
+            raise self._parked_error()
         future: asyncio.Future[Completions] = asyncio.get_running_loop().create_future()
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
@@ -243,8 +243,11 @@ class Generator(Actor):
             async with self._version_changed:
                 self._version_changed.notify_all()  # requests waiting for a version fail now
             for fut in list(self._pending):  # queued, or in a batch that waits for the engine
-                fut.set_exception(YattError(f"{self.actor_id} was parked (out of the pool): the request goes to another generator"))
+                fut.set_exception(self._parked_error())
             await self._sleep()
+
+    def _parked_error(self) -> YattError:
+        return YattError(f"{self.actor_id} was parked (out of the pool): the request goes to another generator")
 
     async def _unpark(self) -> None:
         """Back in the pool; asleep until the trainer's weight push (it is behind)."""

@@ -31,7 +31,9 @@ restarting everything.
 - Soak: the default job without its all-equal filter (``SOAK_ITEMS``) for ``soak_steps``
   steps, the RSS and open fds of every role process sampled every 2 s from 10% of the
   steps on; RSS growth from the median of the first tenth of the samples to that of the
-  last tenth (``Usage``).
+  last tenth (``Usage``). Then the cost of rebuilding the buffer from the soak's ledger
+  (``replay_cost``): from the newest checkpoint's snapshot, as a restarted buffer does,
+  against a replay of the whole ledger.
 
 Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_every`` (5),
 ``checkpoint_model`` (builtin:smollm2), ``checkpoint_steps`` (5), ``fuzz_frames`` (100000),
@@ -40,6 +42,7 @@ Options (``--set``): ``steps`` (30), ``at`` (8), ``every`` (10), ``checkpoint_ev
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -504,6 +507,75 @@ def _soak(tmp: Path, opts: Options, items: list[str], result: Result, quick: boo
         f"soak ({opts.soak_steps} steps): "
         + "; ".join(f"{n} RSS {u.rss_mb[0]:.0f} -> {u.rss_mb[1]:.0f} MiB, fds {u.fds[0]} -> {u.fds[1]}" for n, u in sorted(usage.items()))
     )
+    cost = replay_cost(tmp / "soak")
+    result.figures.update({f"buffer_replay_{k}": v for k, v in cost.items()})
+    result.ratios["buffer_replay_from_snapshot_vs_whole_ledger"] = cost["snapshot_s"] / cost["whole_s"]
+    result.ratios["buffer_replay_from_previous_snapshot_vs_whole_ledger"] = cost["previous_s"] / cost["whole_s"]
+    result.notes.append(
+        f"buffer rebuilt from the soak's ledger ({cost['rows']:.0f} rows, median of {REPLAYS}): from the last "
+        f"checkpoint's snapshot {cost['snapshot_events']:.0f} events in {cost['snapshot_s']:.3f} s, from the one before "
+        f"it {cost['previous_events']:.0f} in {cost['previous_s']:.3f} s, the whole ledger {cost['whole_events']:.0f} "
+        f"in {cost['whole_s']:.3f} s"
+    )
+
+
+REPLAYS = 5
+
+
+def replay_cost(run_dir: Path) -> dict[str, float]:
+    """Seconds to rebuild the buffer of a finished run from its ledger (what a restarted
+    buffer does, ``SamplingBuffer.replay``): from the newest snapshot (the run's last
+    checkpoint); from the one before it, the most a restart between two checkpoints
+    replays (a copy of the ledger without the newest); and from the first row (a copy
+    without any). The median of ``REPLAYS`` of each, interleaved; all three must come back
+    to the same state."""
+    import sqlite3
+
+    from yatt.sampling import SamplingBuffer
+
+    cfg = load_run_config(run_dir / "config.yaml")
+    num_prompts = training_prompts(run_dir)
+    ledgers = {"snapshot": run_dir / "ledger.db"}
+    for name, delete in (
+        ("previous", "DELETE FROM snapshots WHERE seq = (SELECT MAX(seq) FROM snapshots)"),
+        ("whole", "DELETE FROM snapshots"),
+    ):
+        ledgers[name] = run_dir.parent / f"{run_dir.name}.{name}-ledger.db"
+        ledgers[name].unlink(missing_ok=True)
+        with contextlib.closing(sqlite3.connect(ledgers["snapshot"])) as src, contextlib.closing(sqlite3.connect(ledgers[name])) as dst:
+            src.backup(dst)
+            dst.execute(delete)
+            dst.commit()
+            rows = float(dst.execute("SELECT COUNT(*) FROM decisions").fetchone()[0])
+
+    def rebuild(path: Path) -> tuple[float, int, SamplingBuffer]:
+        ledger = Ledger(path)
+        try:
+            buf = SamplingBuffer(
+                cfg.buffer, num_prompts=num_prompts, num_shards=cfg.controller.num_controllers,
+                world_size=cfg.trainer.world_size, seed=cfg.run.seed, ledger=ledger, total_steps=cfg.run.steps,
+            )
+            start = time.perf_counter()
+            events = buf.replay()
+            return time.perf_counter() - start, events, buf
+        finally:
+            ledger.close()
+
+    times: dict[str, list[float]] = {name: [] for name in ledgers}
+    events: dict[str, int] = {}
+    states: dict[str, tuple[object, ...]] = {}
+    for _ in range(REPLAYS):
+        for name, path in ledgers.items():
+            seconds, events[name], buf = rebuild(path)
+            times[name].append(seconds)
+            states[name] = (buf.cursor, buf.step, buf.version, buf.ema, buf.dispatch_end, buf.stats, sorted(buf.decided))
+    if len(set(map(repr, states.values()))) != 1:
+        raise RuntimeError(f"the buffers rebuilt from a snapshot and from the whole ledger differ: {states}")
+    figures = {"rows": rows}
+    for name in ledgers:
+        figures[f"{name}_s"] = statistics.median(times[name])
+        figures[f"{name}_events"] = float(events[name])
+    return figures
 
 
 PARTS = {"kills": _kills, "goodput": _goodput, "checkpoint": _checkpoint_cost, "fuzz": _fuzz, "soak": _soak}

@@ -15,10 +15,11 @@ micro-batch is assembled, so training starts before the step's batch is complete
     launcher    --Query("rewind", dir)--> back to a checkpoint (a trainer group restarts)
     anyone      --Query("stats")--> Metrics
 
-Its state is rebuilt from the ledger (``SamplingBuffer.replay``) whenever it starts: a
-buffer restarted in a run carries on where the ledger ends (undecided and uncommitted
-groups are simply offered again by the controllers, whose ``Ack`` never came); a resumed
-run first appends a ``rewind`` to the checkpoint's mark. Plan numbers start from a random
+Its state is rebuilt from the ledger (``SamplingBuffer.replay``: from the snapshot stored
+with the last checkpoint's mark, then the events after it) whenever it starts: a buffer
+restarted in a run carries on where the ledger ends (undecided and uncommitted groups are
+simply offered again by the controllers, whose ``Ack`` never came); a resumed run first
+appends a ``rewind`` to the checkpoint's mark. Plan numbers start from a random
 base in every incarnation, so a controller's long poll returns at once after a restart.
 """
 
@@ -112,9 +113,10 @@ class Buffer(Actor):
         core = self._new_core()
         events = core.replay()
         core.plan_seq = random.getrandbits(48)  # differs from every plan a controller saw
-        if events:
+        if events or core.replayed_from:
             logger.warning(
-                "buffer: state rebuilt from %d ledger events in %.2f s (step %d, version %d)",
+                "buffer: state rebuilt from %s and %d ledger events after it in %.2f s (step %d, version %d)",
+                f"the snapshot at ledger row {core.replayed_from}" if core.replayed_from else "the start",
                 events, time.perf_counter() - start, core.step, core.version,
             )  # fmt: skip
         return core
@@ -280,7 +282,7 @@ class Buffer(Actor):
             directory.mkdir(parents=True, exist_ok=True)
             tmp = directory / (MARK_FILE + ".tmp")
             with self._ledger_writes():
-                mark = self.ledger.mark()
+                mark = self.core.mark()  # (with a snapshot of the state at it)
             tmp.write_text(json.dumps({"ledger_mark": mark, "step": self.core.step}))
             tmp.replace(directory / MARK_FILE)
             return Ack(info={"dir": str(directory)})
@@ -306,7 +308,9 @@ class Buffer(Actor):
             return await self._evaluate(_count_arg(msg, "version"), _count_arg(msg, "rollouts", "0"))
         if msg.what == "step_report":
             step = _count_arg(msg, "step")
-            values, groups = step_report(self.core.step_groups.pop(step, []), rollouts=_count_arg(msg, "rollouts", "0"))
+            # Kept until the version after it is published (a snapshot holds the steps not trained yet).
+            consumed = self.core.step_groups.pop(step, []) if step < self.core.version else self.core.step_groups.get(step, [])
+            values, groups = step_report(consumed, rollouts=_count_arg(msg, "rollouts", "0"))
             return StepReport(step=step, values=values, groups=groups)
         raise ValueError(f"buffer: unknown query {msg.what!r}; known: stats, checkpoint, rewind, step_report, evaluate")
 

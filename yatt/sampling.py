@@ -20,17 +20,20 @@ resumed run makes the same steps as an uninterrupted one::
 
 The ledger holds this class's inputs (accepted and filtered groups with their payload,
 published versions) in the order they came, so ``replay`` rebuilds the whole state of a
-restarted buffer, and a checkpoint is only the ledger's ``mark``.
+restarted buffer, and a checkpoint is only the ledger's ``mark``. The mark carries a
+snapshot of the state (``snapshot``): a replay starts from the newest one that stands and
+feeds only the events after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -173,6 +176,12 @@ class _Stored:
         return unpack(self.payload)
 
 
+def _key(fields: list[int]) -> GroupKey:
+    """A key as a snapshot names it (``[epoch, shard, prompt_index, attempt]``)."""
+    epoch, shard, prompt_index, attempt = fields
+    return GroupKey(epoch=epoch, shard=shard, prompt_index=prompt_index, attempt=attempt)
+
+
 def _full(group: ScoredGroup) -> ScoredGroup:
     """The whole group (a ``_Stored`` one decoded)."""
     return group.full() if isinstance(group, _Stored) else group
@@ -259,6 +268,7 @@ class SamplingBuffer:
         self._reasons: dict[int, str] = {}  # g -> why a decided group was filtered
         self.filtered_run: list[tuple[str, float]] = []  # (reason, mean reward) since the last accepted group
         self.stalled = ""  # set at the bound on dynamic sampling (on_stall=error): why the run cannot go on
+        self.replayed_from = 0  # the ledger row of the snapshot ``replay`` started from (0: the first row)
         self._update_window()
 
     # ------------------------------------------------------------ positions and keys
@@ -371,6 +381,8 @@ class SamplingBuffer:
             self.ledger.version(version)
             self.version = version
             self.version_ceiling = None  # the restarted trainer is past the checkpoint
+            for step in [s for s in self.step_groups if s < version - 1]:  # (reported: asked after the version)
+                del self.step_groups[step]
             self._advance()
 
     def rewound(self) -> None:
@@ -408,6 +420,7 @@ class SamplingBuffer:
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
             if self.step >= self._replayed_version:
                 self.step_groups.setdefault(self.step, []).append((_full(group), accepted))
+            self.attempts.pop(g, None)  # (no key before the cursor is looked at again)
             self.cursor += 1
             if accepted:
                 self.wave.append(group)
@@ -461,7 +474,7 @@ class SamplingBuffer:
             self.ledger.record(group.group_key, "trained", step=self.step, policy_version=int(group.policy_versions.min()))
         self.stats.trained_groups += len(self.wave)
         if self.step >= self._replayed_version:  # (a replay skips the steps trained already)
-            self.ready[(self.step, self.wave_index)] = self._split([_full(g) for g in self.wave])
+            self.ready[(self.step, self.wave_index)] = self._split([_full(g) for g in self.wave], self.step, self.wave_index)
         self.wave = []
         self.wave_index += 1
         if self.wave_index == self.config.micro_batches_per_step:
@@ -501,19 +514,28 @@ class SamplingBuffer:
     # ------------------------------------------------------------ the ledger as the source of truth
 
     def replay(self) -> int:
-        """Rebuild the state from the ledger's events (a fresh buffer, before any offer):
-        every accepted or filtered group and published version is fed again, in order,
-        through the same decisions. Returns the events replayed.
+        """Rebuild the state from the ledger (a fresh buffer, before any offer): from the
+        newest snapshot that stands, if its config is this one's, then every accepted or
+        filtered group and published version after it is fed again, in order, through the
+        same decisions. Returns the events replayed.
 
         Raises ``ConfigError`` when a group is decided otherwise than the ledger says (the
         run's config or filter changed since). Micro-batches and rewards of the steps
         before the last published version (trained by every rank) are not rebuilt.
         """
         ledger = self.ledger
-        rows = ledger.standing()
+        found = ledger.snapshot()
+        snapshot = json.loads(found[1]) if found is not None else None
+        if snapshot is not None and snapshot.get("config") != self._fingerprint():
+            snapshot = None  # the config changed: the whole replay checks every decision against the new one
+        after = found[0] if found is not None and snapshot is not None else 0
+        self.replayed_from = after
+        rows = ledger.standing(after=after)
         events = [e for e in rows if e.status in EVENT_STATUSES]
         versions = [e.policy_version or 0 for e in events if e.status == "version"]
-        self._replayed_version = max(versions, default=0)
+        self._replayed_version = max(versions, default=snapshot["version"] if snapshot is not None else 0)
+        if snapshot is not None:
+            self._restore(snapshot, after)
         self.ledger = _Replaying()  # type: ignore[assignment]
         lazy = not self.config.max_completion_tokens and self._custom is None  # (those filters read whole groups)
         try:
@@ -539,11 +561,13 @@ class SamplingBuffer:
                     )
         finally:
             self.ledger = ledger
-            self._replayed_version = 0
+        for step in [s for s in self.step_groups if s < self._replayed_version]:  # (the snapshot's, trained since)
+            del self.step_groups[step]
+        self._replayed_version = 0
         # What the buffer goes on with is whole: the groups decided beyond the cursor and the wave being filled.
         self.decided = {g: (_full(group), accepted) for g, (group, accepted) in self.decided.items()}
         self.wave = [_full(group) for group in self.wave]
-        self.stats = Stats()
+        self.stats = Stats(**snapshot["stats"]) if snapshot is not None else Stats()
         for e in rows:
             if e.status not in GROUP_STATUSES:
                 continue
@@ -555,9 +579,73 @@ class SamplingBuffer:
                 setattr(self.stats, field, getattr(self.stats, field) + 1)
         return len(events)
 
+    def mark(self) -> int:
+        """The ledger's mark for a checkpoint, with a snapshot of this state at it."""
+        return self.ledger.mark(snapshot=self.snapshot())
+
+    def _fingerprint(self) -> str:
+        """What the decisions depend on besides the ledger: a snapshot made under another
+        value of any of these is not used (the whole replay then checks the decisions)."""
+        return json.dumps(
+            [dataclasses.asdict(self.config), self.num_prompts, self.num_shards, self.seed, self.total_steps], sort_keys=True
+        )
+
+    def snapshot(self) -> bytes:
+        """The state, its groups named by key (their payloads are in the ledger): what
+        ``replay`` starts from instead of the ledger's first row. The steps kept are those
+        not trained yet (from the published version on): a replay rebuilds their
+        micro-batches and reports, as it does from the events."""
+        def keys(groups: list[ScoredGroup]) -> list[tuple[int, ...]]:
+            return [dataclasses.astuple(group.group_key) for group in groups]
+
+        return json.dumps({
+            "config": self._fingerprint(),
+            "cursor": self.cursor, "step": self.step, "wave_index": self.wave_index, "version": self.version,
+            "ema": self.ema, "dispatch_end": self.dispatch_end, "version_ceiling": self.version_ceiling,
+            "stalled": self.stalled, "filtered_run": self.filtered_run,
+            "attempts": sorted(self.attempts.items()),
+            "decided": [[g, dataclasses.astuple(group.group_key), accepted] for g, (group, accepted) in sorted(self.decided.items())],
+            "wave": keys(self.wave),
+            "step_groups": [
+                [step, keys([g for g, _ in consumed]), [a for _, a in consumed]]
+                for step, consumed in sorted(self.step_groups.items()) if step >= self.version
+            ],
+            "stats": dataclasses.asdict(self.stats),
+        }).encode()  # fmt: skip
+
+    def _restore(self, snapshot: dict[str, Any], seq: int) -> None:
+        """Take the state of ``snapshot`` (at ledger row ``seq``), its groups read back from
+        the ledger, and the micro-batches of its steps from the last version on rebuilt."""
+        for name in ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "version_ceiling", "stalled"):
+            setattr(self, name, snapshot[name])
+        self.filtered_run = [(reason, mean) for reason, mean in snapshot["filtered_run"]]
+        self.attempts = {g: a for g, a in snapshot["attempts"]}
+        named = [_key(k) for _, k, _ in snapshot["decided"]] + [_key(k) for k in snapshot["wave"]]
+        steps = [(step, [_key(k) for k in keys], accepted) for step, keys, accepted in snapshot["step_groups"]]
+        named += [k for _, keys, _ in steps for k in keys]
+        rows = self.ledger.decided(named, seq)
+        missing = [k.as_str() for k in named if k not in rows]
+        if missing:
+            raise ConfigError(f"ledger {self.ledger.path}: the snapshot at row {seq} names groups it does not hold: {missing[:3]}")
+        groups = {k: unpack(e.payload or b"") for k, e in rows.items()}
+        for g, k, accepted in snapshot["decided"]:
+            key = _key(k)
+            self.decided[g] = (groups[key], accepted)
+            if not accepted:
+                self._reasons[g] = rows[key].reason
+        self.wave = [groups[_key(k)] for k in snapshot["wave"]]
+        per_wave = self.groups_per_wave
+        for step, keys, accepted in steps:
+            self.step_groups[step] = [(groups[k], a) for k, a in zip(keys, accepted, strict=True)]
+            if step < self._replayed_version:
+                continue  # trained since the snapshot: no micro-batches for it
+            taken = [groups[k] for k, a in zip(keys, accepted, strict=True) if a]
+            for index in range(len(taken) // per_wave):
+                self.ready[(step, index)] = self._split(taken[index * per_wave : (index + 1) * per_wave], step, index)
+
     # ------------------------------------------------------------ micro-batches
 
-    def _split(self, groups: list[ScoredGroup]) -> list[MicroBatch]:
+    def _split(self, groups: list[ScoredGroup], step: int, index: int) -> list[MicroBatch]:
         """One micro-batch per rank, the same number of samples each, balanced by tokens:
         longest first, each to the rank with the fewest tokens so far (LPT)."""
         samples = [(gi, i) for gi, group in enumerate(groups) for i in range(len(group.completion_ids))]
@@ -569,9 +657,11 @@ class SamplingBuffer:
             r = min((r for r in range(self.world_size) if len(ranks[r]) < per_rank), key=lambda r: tokens[r])
             ranks[r].append(s)
             tokens[r] += length[s]
-        return [self._micro_batch(groups, sorted(rows), r) for r, rows in enumerate(ranks)]
+        return [self._micro_batch(groups, sorted(rows), r, step, index) for r, rows in enumerate(ranks)]
 
-    def _micro_batch(self, groups: list[ScoredGroup], rows: list[tuple[int, int]], rank: int) -> MicroBatch:
+    def _micro_batch(
+        self, groups: list[ScoredGroup], rows: list[tuple[int, int]], rank: int, step: int, index: int
+    ) -> MicroBatch:
         width = max(len(groups[gi].prompt_ids) + len(groups[gi].completion_ids[i]) for gi, i in rows)
         shape = (len(rows), width)
         input_ids = torch.full(shape, self.config.pad_token_id, dtype=torch.int64)
@@ -591,9 +681,9 @@ class SamplingBuffer:
             advantages[b, p : p + c] = group.advantages[i]
             versions[b] = group.policy_versions[i]
         return MicroBatch(
-            step=self.step,
+            step=step,
             rank=rank,
-            index=self.wave_index,
+            index=index,
             count=self.config.micro_batches_per_step,
             input_ids=input_ids,
             attention_mask=attention,

@@ -221,7 +221,7 @@ def assert_exactly_once(run_dir: Path, steps: int) -> None:
 @pytest.mark.parametrize("layout", ["disaggregated", "partial"])
 def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "kills"
-    proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}")
+    proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}", "trainer.checkpoint_every=5")
     killed: dict[str, int] = {}
     for role, after in (("controller", 3), ("generator", 8), ("reward", 10)):
         wait_for(lambda n=after: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= n, 600, every=0.1)
@@ -255,8 +255,9 @@ def test_killed_controller_generator_reward_and_buffer_lose_nothing(tmp_path: Pa
     assert all(f"{role}-0 exited" in log for role in ("controller", "generator", "reward", "buffer"))
     if layout == "partial":
         assert "buffer-0 stopped answering" in log
-    # The restarted buffer carried on from the ledger, not from nothing.
-    assert "state rebuilt from" in (run_dir / "logs" / "buffer-0.log").read_text()
+    # The restarted buffer carried on from the ledger, not from nothing: from the snapshot
+    # of a checkpoint after step 10 (or 5), then the events after it.
+    assert "state rebuilt from the snapshot at ledger row" in (run_dir / "logs" / "buffer-0.log").read_text()
 
 
 def test_killed_colocated_rank_restarts_the_trainer_group_losing_nothing(tmp_path: Path) -> None:

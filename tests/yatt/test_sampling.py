@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import sqlite3
 from collections import Counter
 from pathlib import Path
 
@@ -67,6 +68,11 @@ def drive(buf: SamplingBuffer, steps: int, rng: random.Random | None) -> list[li
         for key in planned:
             buf.offer(make_group(key, max(buf.min_policy_version, buf.version)))
     return trained
+
+
+def prompts(steps: list[list[str]]) -> list[list[str]]:
+    """Each step's sample keys without the attempt (a redone group has a new one)."""
+    return [[key.rsplit("/", 1)[0] for key in step] for step in steps]
 
 
 def test_epoch_order_is_seeded() -> None:
@@ -246,9 +252,6 @@ def test_rewind_goes_back_to_the_mark_and_rolls_back_newer_groups(tmp_path: Path
     again = make_buffer(tmp_path, "run.db")  # a buffer restart after the rewind replays it too
     again.replay()
     assert state(again) == state(rewound)
-    def prompts(steps: list[list[str]]) -> list[list[str]]:  # (the redone group has a new attempt)
-        return [[key.rsplit("/", 1)[0] for key in step] for step in steps]
-
     assert prompts(first + drive(again, 3, random.Random(2))) == prompts(reference)
     trained = Counter(e.key for e in again.ledger.entries("trained"))
     assert len(trained) == 6 * 4 and max(trained.values()) == 1, "a rolled-back step counted"
@@ -259,9 +262,95 @@ def test_rewind_goes_back_to_the_mark_and_rolls_back_newer_groups(tmp_path: Path
 
 @pytest.mark.parametrize("change", [{"filter": "none"}, {"group_size": 4}])
 def test_replay_refuses_a_changed_config(tmp_path: Path, change: dict[str, object]) -> None:
-    drive(make_buffer(tmp_path, "run.db"), 2, None)
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 2, None)
+    buf.mark()  # a snapshot made under the old config is not used: every decision is checked
+    drive(buf, 1, None)
     with pytest.raises(ConfigError, match="must not change across a restart"):
         make_buffer(tmp_path, "run.db", **change).replay()
+
+
+def whole_state(buf: SamplingBuffer) -> dict[str, object]:
+    """``state`` and the rest a replay rebuilds: the steps not trained yet (their groups
+    with the decision, their micro-batches whole), why the groups beyond the cursor were
+    filtered, and the run of filtered groups."""
+    values = state(buf)
+    values["step_groups"] = {
+        step: [(g.group_key, accepted) for g, accepted in consumed] for step, consumed in buf.step_groups.items() if step >= buf.version
+    }
+    values["ready"] = {
+        k: [[mb.group_keys, mb.step, mb.index, mb.input_ids.tolist(), mb.advantages.tolist()] for mb in batches]
+        for k, batches in buf.ready.items()
+    }
+    values.update(reasons=dict(buf._reasons), filtered_run=list(buf.filtered_run), stalled=buf.stalled)
+    return values
+
+
+def mid_step(buf: SamplingBuffer) -> None:
+    """Stop inside a step: its first wave assembled, one group decided beyond the cursor
+    (arrived out of order), and a duplicate offered."""
+    while (buf.step, 0) not in buf.ready:
+        buf.offer(make_group([k for s in range(buf.num_shards) for k in buf.plan(s)][0], max(buf.min_policy_version, buf.version)))
+    planned = [k for s in range(buf.num_shards) for k in buf.plan(s)]
+    later = max(planned, key=buf.position)
+    for _ in range(2):
+        buf.offer(make_group(later, max(buf.min_policy_version, buf.version)))
+    assert buf.decided and buf.stats.duplicates
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_replay_starts_from_the_last_checkpoints_snapshot_and_continues_identically(tmp_path: Path, staleness: int) -> None:
+    """Each checkpoint's mark stores the state; a restart replays only the events after
+    the newest one and comes back to the same state, micro-batches, reports and counts,
+    mid-step, as the buffer that made them and as a replay of the whole ledger."""
+    reference = drive(make_buffer(tmp_path, "ref.db", max_staleness=staleness), 8, None)
+    buf = make_buffer(tmp_path, "run.db", max_staleness=staleness)
+    rng = random.Random(5)
+    first = drive(buf, 2, rng)
+    buf.mark()
+    first += drive(buf, 2, rng)
+    mid_step(buf)
+    buf.mark()  # mid-step: a wave assembled, a group beyond the cursor, the step's report so far
+    first += drive(buf, 1, rng)  # and after it
+    mid_step(buf)
+    buf.ledger.commit()
+    events = len(buf.ledger.events())
+    restarted = make_buffer(tmp_path, "run.db", max_staleness=staleness)
+    replayed = restarted.replay()
+    assert 0 < replayed < events / 4, f"replayed {replayed} of the ledger's {events} events"
+    assert whole_state(restarted) == whole_state(buf)
+    db = sqlite3.connect(tmp_path / "whole.db")  # the same ledger without its snapshots
+    buf.ledger._db.backup(db)
+    db.execute("DELETE FROM snapshots")
+    db.commit()
+    db.close()
+    whole = make_buffer(tmp_path, "whole.db", max_staleness=staleness)
+    assert whole.replay() == events
+    assert whole_state(whole) == whole_state(restarted)
+    assert prompts(first + drive(restarted, 3, random.Random(2))) == prompts(reference)  # (stale redos: new attempts)
+    trained = Counter(e.key for e in restarted.ledger.entries("trained") if (e.step or 0) < 8)  # (off-policy: step 8 begun)
+    assert len(trained) == 8 * 4 and max(trained.values()) == 1
+
+
+def test_a_rewind_starts_from_the_snapshot_at_its_mark_not_a_later_one(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 3, random.Random(1))
+    mid_step(buf)
+    mark, at_mark = buf.mark(), whole_state(buf)
+    drive(buf, 2, random.Random(3))
+    buf.mark()  # step 5's snapshot, which the rewind voids
+    drive(buf, 1, random.Random(3))
+    buf.ledger.rewind(mark, "trainer restarted")
+    rewound = make_buffer(tmp_path, "run.db")
+    assert rewound.replay() == 1  # the rewind row itself
+    assert {**whole_state(rewound), "version_ceiling": None} == at_mark and rewound.version_ceiling == 3
+    key = [k for s in (0, 1) for k in rewound.plan(s)][0]
+    assert rewound.offer(make_group(key, 5)) == "rolled_back"
+    drive(rewound, 1, random.Random(2))
+    rewound.ledger.commit()
+    again = make_buffer(tmp_path, "run.db")  # restarted after the rewind: the same snapshot, then the rest
+    again.replay()
+    assert whole_state(again) == whole_state(rewound)
 
 
 def test_bad_shapes_are_config_errors(tmp_path: Path) -> None:

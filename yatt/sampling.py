@@ -529,13 +529,16 @@ class SamplingBuffer:
         if snapshot is not None and snapshot.get("config") != self._fingerprint():
             snapshot = None  # the config changed: the whole replay checks every decision against the new one
         after = found[0] if found is not None and snapshot is not None else 0
-        self.replayed_from = after
+        groups = self._named_groups(snapshot, after) if snapshot is not None else None
+        if groups is None:
+            snapshot, after = None, 0
         rows = ledger.standing(after=after)
         events = [e for e in rows if e.status in EVENT_STATUSES]
         versions = [e.policy_version or 0 for e in events if e.status == "version"]
         self._replayed_version = max(versions, default=snapshot["version"] if snapshot is not None else 0)
-        if snapshot is not None:
-            self._restore(snapshot, after)
+        self.replayed_from = after
+        if snapshot is not None and groups is not None:
+            self._restore(snapshot, groups)
         self.ledger = _Replaying()  # type: ignore[assignment]
         lazy = not self.config.max_completion_tokens and self._custom is None  # (those filters read whole groups)
         try:
@@ -613,33 +616,39 @@ class SamplingBuffer:
             "stats": dataclasses.asdict(self.stats),
         }).encode()  # fmt: skip
 
-    def _restore(self, snapshot: dict[str, Any], seq: int) -> None:
-        """Take the state of ``snapshot`` (at ledger row ``seq``), its groups read back from
-        the ledger, and the micro-batches of its steps from the last version on rebuilt."""
+    def _named_groups(self, snapshot: dict[str, Any], seq: int) -> dict[GroupKey, tuple[ScoredGroup, str]] | None:
+        """The groups ``snapshot`` (at ledger row ``seq``) names by key, read back from the
+        ledger with the reason each was filtered for; None (a warning, and the whole ledger is
+        replayed) if the ledger lacks one."""
+        named = [_key(k) for _, k, _ in snapshot["decided"]] + [_key(k) for k in snapshot["wave"]]
+        named += [_key(k) for _, keys, _ in snapshot["step_groups"] for k in keys]
+        rows = self.ledger.decided(named, seq)
+        missing = [k.as_str() for k in named if k not in rows]
+        if missing:
+            logger.warning("buffer: the snapshot at ledger row %d names groups the ledger lacks (%s); replaying it all", seq, missing[:3])
+            return None
+        return {k: (unpack(e.payload or b""), e.reason) for k, e in rows.items()}
+
+    def _restore(self, snapshot: dict[str, Any], groups: dict[GroupKey, tuple[ScoredGroup, str]]) -> None:
+        """Take the state of ``snapshot``, its ``groups`` read back, the micro-batches of its
+        steps not trained yet (``_replayed_version`` on) rebuilt."""
         for name in ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "version_ceiling", "stalled"):
             setattr(self, name, snapshot[name])
         self.filtered_run = [(reason, mean) for reason, mean in snapshot["filtered_run"]]
         self.attempts = {g: a for g, a in snapshot["attempts"]}
-        named = [_key(k) for _, k, _ in snapshot["decided"]] + [_key(k) for k in snapshot["wave"]]
-        steps = [(step, [_key(k) for k in keys], accepted) for step, keys, accepted in snapshot["step_groups"]]
-        named += [k for _, keys, _ in steps for k in keys]
-        rows = self.ledger.decided(named, seq)
-        missing = [k.as_str() for k in named if k not in rows]
-        if missing:
-            raise ConfigError(f"ledger {self.ledger.path}: the snapshot at row {seq} names groups it does not hold: {missing[:3]}")
-        groups = {k: unpack(e.payload or b"") for k, e in rows.items()}
         for g, k, accepted in snapshot["decided"]:
-            key = _key(k)
-            self.decided[g] = (groups[key], accepted)
+            group, reason = groups[_key(k)]
+            self.decided[g] = (group, accepted)
             if not accepted:
-                self._reasons[g] = rows[key].reason
-        self.wave = [groups[_key(k)] for k in snapshot["wave"]]
+                self._reasons[g] = reason
+        self.wave = [groups[_key(k)][0] for k in snapshot["wave"]]
         per_wave = self.groups_per_wave
-        for step, keys, accepted in steps:
-            self.step_groups[step] = [(groups[k], a) for k, a in zip(keys, accepted, strict=True)]
+        for step, keys, accepted in snapshot["step_groups"]:
+            consumed = [(groups[_key(k)][0], a) for k, a in zip(keys, accepted, strict=True)]
+            self.step_groups[step] = consumed
             if step < self._replayed_version:
                 continue  # trained since the snapshot: no micro-batches for it
-            taken = [groups[k] for k, a in zip(keys, accepted, strict=True) if a]
+            taken = [group for group, a in consumed if a]
             for index in range(len(taken) // per_wave):
                 self.ready[(step, index)] = self._split(taken[index * per_wave : (index + 1) * per_wave], step, index)
 

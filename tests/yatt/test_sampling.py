@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import random
 import sqlite3
 from collections import Counter
@@ -421,3 +422,17 @@ def test_step_report_by_hand() -> None:
     })
     assert sample == [trained]
     assert step_report([], rollouts=4) == ({"reward/mean": pytest.approx(float("nan"), nan_ok=True), "groups": 0.0, "groups/trained": 0.0}, [])
+
+
+def test_a_snapshot_naming_a_group_the_ledger_lacks_is_passed_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 2, random.Random(1))
+    mid_step(buf)
+    seq = buf.mark()
+    state_blob = json.loads(buf.ledger._db.execute("SELECT state FROM snapshots WHERE seq = ?", (seq,)).fetchone()[0])
+    state_blob["decided"][0][1][3] = 99  # an attempt no row has
+    buf.ledger._db.execute("UPDATE snapshots SET state = ? WHERE seq = ?", (json.dumps(state_blob).encode(), seq))
+    restarted = make_buffer(tmp_path, "run.db")
+    assert restarted.replay() == len(buf.ledger.events()) and restarted.replayed_from == 0
+    assert whole_state(restarted) == whole_state(buf)
+    assert "names groups the ledger lacks" in caplog.text

@@ -434,9 +434,11 @@ class SamplingBuffer:
     def _past_the_bound(self, group: ScoredGroup, reason: str) -> bool:
         """Count a filtered group; True if it is to be trained anyway (on_stall=train)."""
         bound = self.config.max_filtered_batches * self.config.groups_per_step
+        if not bound:
+            return False  # (nothing to report: the run of filtered groups is not kept)
         self.filtered_run.append((reason, float(group.rewards.float().mean())))
         run = len(self.filtered_run)
-        if not bound or run < bound // 2:
+        if run < bound // 2:
             return False
         if (run == bound // 2 or run == bound) and isinstance(self.ledger, Ledger):  # (not again in a replay)
             logger.warning("buffer: %s", self.stall_report(bound))

@@ -27,6 +27,7 @@ The progress bar follows ``metrics.jsonl``, which trainer rank 0 writes once per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -69,6 +70,8 @@ if TYPE_CHECKING:
 
 RESTARTABLE = ("controller", "generator", "reward", "buffer")
 GRACE_S = 15.0
+STACKS_S = 0.5
+"""How long a role has to write its stacks to its log (``write_stacks``)."""
 HUNG_S = 10.0
 """A role process the registry dropped (silent past its heartbeat limit) but still alive
 after this long is hung (SIGSTOP, a deadlock): it is killed, then restarted as if it died."""
@@ -601,11 +604,12 @@ class LocalLauncher:
                         last_step = time.monotonic()
                 stall = self.cfg.run.stall_timeout_s
                 if stall and time.monotonic() - last_step > stall:
+                    await write_stacks(self.procs)
                     raise ActorFailed(
-                        f"no step for {stall:.0f} s (run.stall_timeout_s); the run stops. Every role:\n"
-                        + self.roles_report()
+                        f"no step for {stall:.0f} s (run.stall_timeout_s); the run stops. Every role (where its "
+                        "threads and asyncio tasks were is at the end of its log):\n" + self.roles_report()
                     )
-                self._kill_hung(directory)
+                await self._kill_hung(directory)
                 for i, p in enumerate(self.procs):
                     code = p.popen.poll()
                     if code is None:
@@ -790,9 +794,10 @@ class LocalLauncher:
         finishing (``launch eval``); None meanwhile."""
         return None
 
-    def _kill_hung(self, directory: Directory) -> None:
+    async def _kill_hung(self, directory: Directory) -> None:
         """SIGKILL a role process that stopped answering: the registry dropped it, its peers
-        re-issued its work; killed, it cannot wake up and answer late (a second buffer)."""
+        re-issued its work; killed, it cannot wake up and answer late (a second buffer).
+        Where it hung (a deadlock) is written to its log first."""
         pids = {w.meta.get("pid") for w in directory.members()}
         now = time.monotonic()
         for p in self.procs:
@@ -803,7 +808,11 @@ class LocalLauncher:
             elif p.registered:
                 p.missing_since = p.missing_since or now
                 if now - p.missing_since > HUNG_S:
-                    print(f"yatt: {p.name} stopped answering (dropped from the registry {HUNG_S:.0f} s ago); killing it", file=sys.stderr, flush=True)
+                    await write_stacks([p])
+                    print(
+                        f"yatt: {p.name} stopped answering (dropped from the registry {HUNG_S:.0f} s ago); killing it "
+                        f"(where it was, unless stopped, is at the end of its log: {p.log})", file=sys.stderr, flush=True,
+                    )  # fmt: skip
                     _signal_group(p.popen, signal.SIGKILL)
                     p.popen.wait()
 
@@ -867,15 +876,22 @@ class LocalLauncher:
         await self._stop(self.procs + [p.proc for p in self.parked.values()])
 
     async def _stop(self, procs: list[Proc]) -> None:
-        """SIGTERM, then SIGKILL after the grace, to those of ``procs`` still running."""
+        """SIGTERM, then SIGKILL after the grace, to those of ``procs`` still running (their
+        stacks written to their logs first)."""
         live = [p for p in procs if p.popen.poll() is None]
         self.ask_to_stop(live)
         deadline = time.monotonic() + GRACE_S
         while any(p.popen.poll() is None for p in live) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        for p in live:
+        late = [p for p in live if p.popen.poll() is None]
+        if late:
+            await write_stacks(late)
+        for p in late:
             if p.popen.poll() is None:
-                print(f"yatt: {p.name} did not stop within {GRACE_S:g} s of SIGTERM; killing it (its log: {p.log})", file=sys.stderr, flush=True)
+                print(
+                    f"yatt: {p.name} did not stop within {GRACE_S:g} s of SIGTERM; killing it (where its threads and "
+                    f"tasks were is at the end of its log: {p.log})", file=sys.stderr, flush=True,
+                )  # fmt: skip
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
 
@@ -891,6 +907,21 @@ def _without_option(cmd: list[str], option: str) -> list[str]:
         return cmd
     i = cmd.index(option)
     return cmd[:i] + cmd[i + 2 :]
+
+
+async def write_stacks(procs: list[Proc]) -> None:
+    """Ask each running role process to write its threads' and asyncio tasks' stacks to its
+    log (SIGUSR1, ``launch.role``), and give them ``STACKS_S`` to do it."""
+    import psutil
+
+    asked = False
+    for p in procs:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if p.popen.poll() is None and psutil.Process(p.popen.pid).status() != psutil.STATUS_STOPPED:  # (SIGSTOP: it cannot)
+                os.kill(p.popen.pid, signal.SIGUSR1)
+                asked = True
+    if asked:
+        await asyncio.sleep(STACKS_S)
 
 
 def _signal_group(popen: RoleProcess, sig: signal.Signals) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import functools
+import linecache
 import logging
 import os
 import signal
@@ -60,9 +62,35 @@ def die_with_launcher() -> None:
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT stop the role. SIGUSR1 writes to stderr (the role's log) every
+    thread's Python stack (``faulthandler``, from the signal handler itself: even with the
+    event loop blocked) and then every asyncio task's: what the launcher asks for before it
+    kills a role that did not stop, and when the run stalls."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, write_tasks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)  # (after: it chains to the loop's)
+
+
+def write_tasks() -> None:
+    """Every asyncio task of this loop, with where it waits, to stderr: the whole chain of
+    awaits (``Task.print_stack`` shows a suspended task's outermost frame only)."""
+    tasks = asyncio.all_tasks()
+    lines = [f"yatt: {len(tasks)} asyncio tasks (SIGUSR1), outermost call first:"]
+    for task in tasks:
+        lines.append(f"task {task.get_name()!r}:")
+        awaited: object = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                break
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}')
+            if source := linecache.getline(code.co_filename, frame.f_lineno).strip():
+                lines.append(f"    {source}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 async def _serve(

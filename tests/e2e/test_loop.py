@@ -26,17 +26,19 @@ from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
 from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
-from yatt.trace import FAILPOINT_ENV
+from yatt.trace import FAILPOINT_ENV, SLOW_TRAIN_ENV
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(run_dir: Path, *overrides: str, resume: Path | None = None, failpoint: str = "") -> subprocess.Popen[bytes]:
+def launch(
+    run_dir: Path, *overrides: str, resume: Path | None = None, failpoint: str = "", env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "launch", "run", *overrides, "--run-dir", str(run_dir), "--no-progress"]
     if resume is not None:
         cmd += ["--resume", str(resume)]
-    env = {**os.environ, FAILPOINT_ENV: failpoint} if failpoint else None
+    env = {**os.environ, **(env or {}), **({FAILPOINT_ENV: failpoint} if failpoint else {})}
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").open("ab")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
@@ -464,3 +466,22 @@ def test_a_broken_reward_stops_the_run_with_the_scorers_error(tmp_path: Path) ->
     assert "reward-0 stopped the run" in log and "reward scorer 'broken'" in log, log[-3000:]
     assert "reward.max_failure_share" in log and "Traceback" in log and "ValueError: cannot grade" in log
 
+
+
+def test_a_run_without_a_new_step_stops_with_each_roles_state_and_where_it_waits(tmp_path: Path) -> None:
+    """No silent hangs: training turns 60 s slower from step 2 on (``YATT_SLOW_TRAIN``),
+    past ``run.stall_timeout_s``: the launcher stops the run, naming every role with its
+    state and log tail, and every role wrote where its threads and asyncio tasks were to
+    its log (trainer-0: asleep in the injected slowdown, inside its step)."""
+    run_dir = tmp_path / "stall"
+    proc = launch(run_dir, "run.steps=10", "run.stall_timeout_s=6", env={SLOW_TRAIN_ENV: "2:60"})
+    code = proc.wait(timeout=600)
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text(errors="replace")
+    assert code != 0 and "no step for 6 s (run.stall_timeout_s); the run stops" in log, log[-3000:]
+    roles = ("buffer-0", "controller-0", "controller-1", "reward-0", "trainer-0", "trainer-1")  # (colocated: engines in the ranks)
+    assert all(f"  {role}: alive, 0 restarts" in log for role in roles), log[-3000:]
+    assert len(metrics(run_dir)) == 2
+    for role in roles:
+        assert "asyncio tasks (SIGUSR1)" in (run_dir / "logs" / f"{role}.log").read_text(errors="replace"), role
+    trainer = (run_dir / "logs" / "trainer-0.log").read_text(errors="replace")
+    assert "most recent call first" in trainer and "in _step" in trainer and "await asyncio.sleep(self._slow.seconds" in trainer, trainer[-3000:]

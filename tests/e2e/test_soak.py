@@ -22,4 +22,4 @@ def test_200_steps_leak_no_fds_and_no_gross_memory(tmp_path: Path) -> None:
     # Rebuilding the buffer from the snapshot of the checkpoints after steps 200 and 180
     # replays what came after them; the same state as the whole ledger (or replay_cost raises).
     cost = replay_cost(tmp_path / "soak")
-    assert cost["snapshot_events"] == 0 and 0 < cost["previous_events"] < cost["whole_events"] / 5, cost
+    assert cost["snapshot_events"] < cost["previous_events"] < cost["whole_events"] / 5, cost

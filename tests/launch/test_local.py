@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from launch.config import load_run_config
 from launch.local import LocalLauncher, Proc, role_threads
 from launch.placement import make_plan
 from yatt.placement.layouts import cpu_cluster, gpu_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_threads_share_the_cores_between_computing_roles() -> None:
@@ -75,14 +78,61 @@ def test_a_role_deaf_to_sigterm_is_killed_after_the_grace_and_named(
     then is SIGKILLed, and the launcher says which (a silent wait of 15 s at a run's end)."""
     monkeypatch.setattr(launch.local, "GRACE_S", 0.5)
     launcher = LocalLauncher(load_run_config(None), tmp_path)
-    code = {"deaf": "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)",
+    deaf = (
+        "import faulthandler, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)"  # (as launch.role sets it up)
+    )
+    code = {"deaf": f"{deaf}; print('up', flush=True); time.sleep(60)",
             "obeys": "import sys, time; print('up', flush=True); time.sleep(60)"}
     procs = []
     for index, name in enumerate(code):
-        popen = subprocess.Popen([sys.executable, "-c", code[name]], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        log = (tmp_path / f"{name}.log").open("w")
+        popen = subprocess.Popen(
+            [sys.executable, "-c", code[name]], stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+        )
         assert popen.stdout is not None and popen.stdout.readline() == "up\n"  # its handler is set
         procs.append(Proc(role="reward" if name == "deaf" else "controller", index=index, popen=popen, log=tmp_path / f"{name}.log"))
     asyncio.run(launcher._stop(procs))
     err = capsys.readouterr().err
     assert procs[0].popen.returncode == -signal.SIGKILL and procs[1].popen.returncode == -signal.SIGTERM
     assert "reward-0 did not stop within 0.5 s of SIGTERM; killing it" in err and "controller-1" not in err
+    # Where it was, written to its log before the kill: the main thread, asleep in time.sleep.
+    assert f"is at the end of its log: {tmp_path / 'deaf.log'}" in err
+    stacks = (tmp_path / "deaf.log").read_text()
+    assert "most recent call first" in stacks and 'File "<string>", line 1 in <module>' in stacks, stacks
+
+
+def test_sigusr1_makes_a_role_write_its_threads_and_asyncio_tasks(tmp_path: Path) -> None:
+    """A role (``launch.role``'s signal handlers) asked for its stacks writes every thread's
+    and every asyncio task's, with where each waits, and goes on serving."""
+    code = """
+import asyncio, sys
+from launch.role import _stop_on_signals
+
+async def waits_for_a_micro_batch(stop: asyncio.Event) -> None:
+    await stop.wait()
+
+async def main() -> None:
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    task = asyncio.create_task(waits_for_a_micro_batch(stop), name="fetch")
+    print("up", flush=True)
+    await task
+    print("stopped", flush=True)
+
+asyncio.run(main())
+"""
+    with (tmp_path / "role.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while "waits_for_a_micro_batch" not in (tmp_path / "role.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # still serving: it stops as asked
+        assert proc.stdout.readline() == "stopped\n" and proc.wait(timeout=30) == 0
+    stacks = (tmp_path / "role.log").read_text()
+    assert "most recent call first" in stacks and "asyncio tasks (SIGUSR1)" in stacks, stacks
+    # The whole chain of awaits, down to the event it waits on (print_stack would stop at the first).
+    assert "task 'fetch':\n  File \"<string>\", line 6, in waits_for_a_micro_batch\n" in stacks, stacks
+    assert "locks.py\", line" in stacks.split("task 'fetch':")[1] and "await fut" in stacks, stacks

@@ -284,7 +284,26 @@ def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Res
     with tempfile.TemporaryDirectory(prefix="yatt-faults-") as tmp:
         for part in opts.parts:
             PARTS[part](Path(tmp), opts, items, result, quick)
+        late_stops(Path(tmp), result)
     return result
+
+
+def late_stops(tmp: Path, result: Result) -> None:
+    """A role the launcher had to SIGKILL because it did not stop within its grace (15 s of
+    a run's wall time): counted, and each one's line and where it was (its stacks, at the
+    end of its log) kept in the notes, since the run dirs go with the benchmark."""
+    from launch.local import log_tail
+
+    late = 0
+    for log in sorted(tmp.glob("*.launcher.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "did not stop within" not in line:
+                continue
+            late += 1
+            role_log = Path(line.rsplit("end of its log: ", 1)[-1].rstrip(")"))
+            stacks = log_tail(role_log, 80) if role_log.exists() else "(its log is gone)"
+            result.notes.append(f"{log.name}: {line}\n{stacks}")
+    result.figures["roles_killed_after_the_stop_grace"] = float(late)
 
 
 @dataclass(frozen=True, kw_only=True)

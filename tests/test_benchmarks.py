@@ -142,3 +142,21 @@ def test_a_failures_cost_is_the_wall_time_of_the_steps_around_it_over_the_median
     rolled_back = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 11.0, 12.0, 13.0, 14.0, 15.0]
     assert failure_cost(rolled_back, 9, back=2) == 4.0
     assert failure_cost(rolled_back, 9) == 0.0
+
+
+def test_a_role_killed_after_the_stop_grace_is_counted_with_where_it_was(tmp_path: Path) -> None:
+    """The faults benchmark's run dirs go with it: a role the launcher had to SIGKILL at a
+    stop keeps its line and the end of its log (its stacks) in the notes."""
+    from benchmarks.faults import late_stops
+    from benchmarks.harness import Result
+
+    role_log = tmp_path / "undisturbed" / "logs" / "reward-0.log"
+    role_log.parent.mkdir(parents=True)
+    role_log.write_text("serving\nThread 0x1 (most recent call first):\n  File \"x.py\", line 3 in join\n")
+    line = f"yatt: reward-0 did not stop within 15 s of SIGTERM; killing it (where its threads and tasks were is at the end of its log: {role_log})"
+    (tmp_path / "undisturbed.launcher.log").write_text(f"yatt: all roles READY\n{line}\n")
+    (tmp_path / "role_restart.launcher.log").write_text("yatt: done\n")
+    result = Result()
+    late_stops(tmp_path, result)
+    assert result.figures["roles_killed_after_the_stop_grace"] == 1
+    assert result.notes == [f"undisturbed.launcher.log: {line}\n" + role_log.read_text().rstrip("\n")]

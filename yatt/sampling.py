@@ -413,8 +413,9 @@ class SamplingBuffer:
                 self.ledger.record(group.group_key, "stale", f"version {version} for step {self.step}")
                 changed = True
                 continue
+            reason = self._reasons.pop(g, "filtered")
             if not accepted:
-                accepted = self._past_the_bound(group, self._reasons.pop(g, "filtered"))
+                accepted = self._past_the_bound(group, reason)
             else:
                 self.filtered_run = []
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
@@ -489,6 +490,7 @@ class SamplingBuffer:
         """On-policy: what was dispatched past the full step was generated for it; redo it."""
         for g in range(self.cursor, self.dispatch_end):
             key = self.key_at(g)
+            self._reasons.pop(g, None)
             if self.decided.pop(g, None) is not None:
                 self.ledger.record(key, "superseded", f"step {self.step - 1} was full")
                 self.stats.superseded += 1

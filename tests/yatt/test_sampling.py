@@ -436,3 +436,78 @@ def test_a_snapshot_naming_a_group_the_ledger_lacks_is_passed_over(tmp_path: Pat
     assert restarted.replay() == len(buf.ledger.events()) and restarted.replayed_from == 0
     assert whole_state(restarted) == whole_state(buf)
     assert "names groups the ledger lacks" in caplog.text
+
+
+def _whole_ledger_replay(buf: SamplingBuffer, path: Path, world_size: int) -> SamplingBuffer:
+    """A buffer replaying a copy of ``buf``'s ledger without its snapshots."""
+    db = sqlite3.connect(path)
+    buf.ledger._db.backup(db)
+    db.execute("DELETE FROM snapshots")
+    db.commit()
+    db.close()
+    whole = SamplingBuffer(buf.config, num_prompts=N_PROMPTS, num_shards=2, world_size=world_size, seed=3,
+                           ledger=Ledger(path), total_steps=buf.total_steps)  # fmt: skip
+    whole.replay()
+    return whole
+
+
+@pytest.mark.parametrize("seed", range(60))  # (41, 46 and 51 found the reason left behind)
+def test_a_replay_from_a_snapshot_equals_the_whole_ledgers_in_random_runs(tmp_path: Path, seed: int) -> None:
+    """Random configs (staleness, waves, filter, the bound and on_stall, run length, world
+    size) and random runs: offers in any order, some stale, some made with weights a rewind
+    discarded, duplicates, old attempts, trained steps and their reports, checkpoint marks,
+    rewinds to one of them (the group's size changing with it) and restarts. After every
+    rewind and restart, the buffer rebuilt from the newest snapshot is the one rebuilt from
+    the whole ledger. (A review's fuzz found a filter reason left behind by a superseded
+    group this way.)"""
+    rng = random.Random(seed)
+    config = BufferConfig(
+        groups_per_step=4, group_size=rng.choice([2, 4]), micro_batches_per_step=rng.choice([1, 2]),
+        max_staleness=rng.choice([0, 1, 2]), filter=rng.choice(["all_equal", "none"]),
+        max_filtered_batches=rng.choice([0, 1, 2, 10]), on_stall=rng.choice(["error", "train"]),
+    )  # fmt: skip
+    world_size, total_steps, p_equal = rng.choice([1, 2]), rng.choice([None, 5]), rng.choice([0.2, 0.5, 0.9])
+
+    def fresh(path: Path) -> SamplingBuffer:
+        return SamplingBuffer(config, num_prompts=N_PROMPTS, num_shards=2, world_size=world_size, seed=3,
+                              ledger=Ledger(path), total_steps=total_steps)  # fmt: skip
+
+    buf, marks, offered, restarts = fresh(tmp_path / "run.db"), [0], [], 0
+    for _ in range(80):
+        action = rng.choices(["offer", "train", "mark", "rewind", "restart", "again"], [10, 4, 2, 1, 1.5, 1])[0]
+        if action == "offer":
+            planned = [k for s in (0, 1) for k in buf.plan(s)]
+            rng.shuffle(planned)
+            for key in planned[: rng.randint(1, max(1, len(planned)))]:
+                version, r = max(buf.min_policy_version, buf.version), rng.random()
+                version = buf.version + 1 if r < 0.1 else max(0, buf.version - rng.randint(1, 3)) if r < 0.2 else version
+                offered.append(make_group(key, version, n=config.group_size, equal=rng.random() < p_equal))
+                buf.offer(offered[-1])
+        elif action == "again" and offered:
+            group = rng.choice(offered)
+            buf.offer(group)  # a duplicate, and a stale attempt
+            buf.offer(make_group(dataclasses.replace(group.group_key, attempt=group.group_key.attempt + 7), buf.version, n=config.group_size))
+        elif action == "train" and buf.ready:
+            step = min(s for s, _ in buf.ready)
+            if all((step, i) in buf.ready for i in range(config.micro_batches_per_step)):
+                for i in range(config.micro_batches_per_step):
+                    buf.release(step, i)
+                buf.publish_version(step + 1)
+                if rng.random() < 0.7:  # the trainer's step report (yatt/buffer.py)
+                    buf.step_groups.pop(step, None) if step < buf.version else None
+        elif action == "mark":
+            marks.append(buf.mark())
+        elif action in ("rewind", "restart"):
+            if action == "rewind":
+                mark = rng.choice(marks)
+                marks = [m for m in marks if m <= mark]
+                buf.ledger.rewind(mark, "a trainer group restarted")
+                world_size = rng.choice([1, 2]) if rng.random() < 0.3 else world_size
+            buf.ledger.commit()
+            restarts += 1
+            restarted = fresh(buf.ledger.path)
+            restarted.replay()
+            whole = _whole_ledger_replay(buf, tmp_path / f"whole{restarts}.db", world_size)
+            assert whole_state(restarted) == whole_state(whole), f"{action} {restarts}, from row {restarted.replayed_from}"
+            buf.ledger.close()
+            buf = restarted

@@ -28,7 +28,9 @@ feeds only the events after it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -592,9 +594,17 @@ class SamplingBuffer:
 
     def _fingerprint(self) -> str:
         """What the decisions depend on besides the ledger: a snapshot made under another
-        value of any of these is not used (the whole replay then checks the decisions)."""
+        value of any of these is not used (the whole replay then checks the decisions). A
+        custom filter counts by its source code."""
+        custom = None
+        if self._custom is not None:
+            try:
+                custom = hashlib.sha256(inspect.getsource(self._custom).encode()).hexdigest()
+            except (OSError, TypeError):
+                custom = "source not found"
         return json.dumps(
-            [dataclasses.asdict(self.config), self.num_prompts, self.num_shards, self.seed, self.total_steps], sort_keys=True
+            [dataclasses.asdict(self.config), self.num_prompts, self.num_shards, self.seed, self.total_steps, custom],
+            sort_keys=True,
         )
 
     def snapshot(self) -> bytes:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import json
 import random
 import sqlite3
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -269,6 +271,22 @@ def test_replay_refuses_a_changed_config(tmp_path: Path, change: dict[str, objec
     drive(buf, 1, None)
     with pytest.raises(ConfigError, match="must not change across a restart"):
         make_buffer(tmp_path, "run.db", **change).replay()
+
+
+def test_a_snapshot_made_under_another_custom_filter_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same ``module:function``, its code changed between two runs: the snapshot is
+    passed over and the whole replay finds the decisions that differ."""
+    module = tmp_path / "my_filter.py"
+    module.write_text("def keep(group):\n    return ''\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buf = make_buffer(tmp_path, "run.db", custom_filter="my_filter:keep")
+    drive(buf, 2, None)
+    buf.mark()
+    module.write_text("def keep(group):\n    return 'too easy' if group.group_key.prompt_index % 2 else ''\n")
+    importlib.invalidate_caches()
+    monkeypatch.delitem(sys.modules, "my_filter")
+    with pytest.raises(ConfigError, match="must not change across a restart"):
+        make_buffer(tmp_path, "run.db", custom_filter="my_filter:keep").replay()
 
 
 def whole_state(buf: SamplingBuffer) -> dict[str, object]:

@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 typecheck: $(STAMP)
-	$(PY) -m mypy yatt protocols workers launch benchmarks
+	$(PY) -m mypy yatt protocols workers launch benchmarks tests
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

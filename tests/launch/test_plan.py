@@ -13,11 +13,11 @@ import pytest
 
 from launch.__main__ import main
 from launch.config import dump_run_config, load_run_config
+from launch.placement import roles_of
 from launch.plan import (
     TINY_CONFIG,
     measure_peak_flops,
     plan_for_run,
-    roles_of,
     run_costs,
     run_sizes,
     run_workload,

@@ -178,7 +178,7 @@ def test_tensors_are_separate_frames_and_not_copied() -> None:
     assert np.frombuffer(view, dtype=np.uint8).ctypes.data == t.data_ptr()
     # Decoding is a view over the received frame, too.
     received = bytearray(view)
-    out = decode([frames[0], frames[1], received])
+    out = decode([frames[0], frames[1], memoryview(received)])
     assert isinstance(out, P.WeightUpdate)
     assert out.tensors[0].data_ptr() == np.frombuffer(received, dtype=np.uint8).ctypes.data
 
@@ -288,7 +288,7 @@ def test_encode_rejects_wrong_types() -> None:
     with pytest.raises(ProtocolError, match=r"Heartbeat\.seq: expected int, got str"):
         encode(P.Heartbeat(actor_id="a", seq="1"))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match=r"GenerateRequest\.prompt_ids: expected tensor, got list"):
-        encode(dataclasses.replace(SAMPLES[0], prompt_ids=[1, 2]))  # type: ignore[arg-type, type-var]
+        encode(dataclasses.replace(SAMPLES[0], prompt_ids=[1, 2]))  # type: ignore[call-arg]
 
 
 _frame_lists = st.lists(st.binary(max_size=64), min_size=0, max_size=6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,12 +18,13 @@ from yatt.data import load_prompt_sets
 
 def _greedy_answers(model_dir: Path, prompts: list[list[int]]) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)  # (transformers' generate is typed for mixins)
+    model.eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
             generated = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0)
-            out.append(tokenizer.decode(generated[0, len(ids):], skip_special_tokens=True).strip())
+            out.append(str(tokenizer.decode(generated[0, len(ids):], skip_special_tokens=True)).strip())
     return out
 
 

@@ -21,7 +21,7 @@ from yatt.placement.adaptive import (
     trainer_slots,
 )
 from yatt.placement.layouts import Roles, assign, gpu_cluster
-from yatt.placement.plan import ClusterSpec
+from yatt.placement.plan import ClusterSpec, Layout
 from yatt.placement.planner import (
     GIB,
     ModelSizes,
@@ -69,7 +69,7 @@ def test_a_thin_batch_costs_more_per_token_and_the_inverse_recovers_it() -> None
 
 
 @pytest.mark.parametrize("layout", ["disaggregated", "partial", "colocated"])
-def test_costs_from_times_predict_the_measured_step(layout: str) -> None:
+def test_costs_from_times_predict_the_measured_step(layout: Layout) -> None:
     cluster = gpus(8)
     plan = assign(layout, cluster, split(3, 8 if layout != "disaggregated" else 5))
     measured = replace(times(2.0, 3.0), switch_s=1.5 if layout != "disaggregated" else 0.0,

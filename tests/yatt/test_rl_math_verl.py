@@ -23,13 +23,14 @@ import torch
 from yatt import rl_math as rm
 
 try:
-    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo import core_algos as _core_algos
     from verl.workers.config import ActorConfig
 except ImportError as e:  # ModuleNotFoundError for verl itself or for one of its imports
     pytest.skip(
         f"verl's core_algos is not importable ({e}); see this module's docstring to install it",
         allow_module_level=True,
     )
+core_algos: Any = _core_algos  # the reference, checked at run time: its annotations are looser than its use here
 
 F64 = torch.float64
 TOL = 1e-6

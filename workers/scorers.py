@@ -518,6 +518,7 @@ class _ThreadedModel:
         self._model = model
         self._max_batch = max_batch
         self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._calling: list[_Waiting] = []  # in the model call now
         self._runner: asyncio.Task[None] | None = None
 
     async def score(self, batch: Sequence[ScoreInput], timeout_s: float) -> list[Outcome]:
@@ -548,6 +549,7 @@ class _ThreadedModel:
                     take.append(self._waiting.popleft())
                 now = time.monotonic()
                 live = [w for w in take if w.deadline > now and not w.result.done()]
+                self._calling = live
                 try:
                     outcomes = await asyncio.to_thread(self._model, [s for w in live for s in w.batch]) if live else []
                 except Exception as e:
@@ -561,10 +563,11 @@ class _ThreadedModel:
                 for w in live:
                     _settle(w, outcomes[start : start + len(w.batch)])
                     start += len(w.batch)
-        finally:  # cancelled with the actor: no caller waits for good
-            for w in self._waiting:
+        finally:  # cancelled with the actor: no caller waits for good, nor to its time limit
+            for w in [*self._calling, *self._waiting]:
                 if not w.result.done():
                     w.result.set_exception(Closed("the scorer stopped"))
+            self._calling = []
 
     async def _run_alone(self, waiting: _Waiting) -> None:
         if waiting.deadline <= time.monotonic() or waiting.result.done():

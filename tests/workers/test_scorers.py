@@ -526,3 +526,16 @@ async def test_a_batch_that_waited_past_its_limit_is_not_scored() -> None:
     await first
     await asyncio.sleep(0.1)
     assert model.calls == [4]  # skipped, not run for a caller that gave up
+
+
+async def test_a_closed_model_scorer_fails_the_batches_in_its_call_and_waiting_at_once() -> None:
+    """Closing (the actor stops) fails at once the batch in the model call and those waiting
+    for the next one, instead of leaving their callers to their time limit."""
+    scorer = _ThreadedModel(_CountingModel(), 64)
+    in_call = asyncio.ensure_future(scorer.score(_batches(["a"])[0], 60.0))
+    await asyncio.sleep(0.01)  # its call has started
+    waiting = asyncio.ensure_future(scorer.score(_batches(["b"])[0], 60.0))
+    await asyncio.sleep(0)
+    scorer.close()
+    results = await asyncio.wait_for(asyncio.gather(in_call, waiting), 5.0)
+    assert all(o.failure == "Closed: the scorer stopped" for r in results for o in r), results

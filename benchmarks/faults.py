@@ -120,13 +120,17 @@ class Outcome:
     steps_twice: int
 
 
-def _launch(run_dir: Path, items: list[str], resume: bool = False, failpoint: str = "") -> subprocess.Popen[bytes]:
+def launch_run(
+    run_dir: Path, items: list[str], *, resume: Path | None = None, failpoint: str = "", env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``python -m launch run ITEMS`` in its own session, its output appended to
+    ``<run_dir>.launcher.log``; ``failpoint`` armed (``yatt.trace``) and ``env`` added."""
     cmd = [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"]
-    if resume:
-        cmd += ["--resume", str(run_dir)]
-    env = {**os.environ, FAILPOINT_ENV: failpoint} if failpoint else None
+    if resume is not None:
+        cmd += ["--resume", str(resume)]
+    full_env = {**os.environ, **(env or {}), **({FAILPOINT_ENV: failpoint} if failpoint else {})}
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").open("ab")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
 
 
 def _steps(run_dir: Path) -> int:
@@ -201,7 +205,7 @@ def _run(
     ``restart_all``, then ``--resume``), and with ``failpoint`` armed (``yatt.trace``);
     returns the wall seconds of all its launchers and how many kills found their process."""
     start, landed = time.perf_counter(), 0
-    proc = _launch(run_dir, items, failpoint=failpoint)
+    proc = launch_run(run_dir, items, failpoint=failpoint)
     for after, role, index, sig in kills:
         if not _wait(proc, run_dir, after):
             break
@@ -213,9 +217,9 @@ def _run(
             if latest_checkpoint(run_dir) is None:  # nothing to resume: start over
                 for name in ("metrics.jsonl", "ledger.db", "ledger.db-wal", "ledger.db-shm"):
                     (run_dir / name).unlink(missing_ok=True)
-                proc = _launch(run_dir, items)
+                proc = launch_run(run_dir, items)
             else:
-                proc = _launch(run_dir, items, resume=True)
+                proc = launch_run(run_dir, items, resume=run_dir)
             landed += 1
         else:
             landed += _kill(run_dir, role, index, sig)
@@ -260,7 +264,7 @@ def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str,
     fds, sampled every 2 s from 10% of the steps on."""
     import psutil
 
-    proc = _launch(run_dir, [f"run.steps={steps}", *SOAK_ITEMS, *(items or [])])
+    proc = launch_run(run_dir, [f"run.steps={steps}", *SOAK_ITEMS, *(items or [])])
     samples: dict[str, list[tuple[float, int]]] = {}
     while proc.poll() is None:
         done = _steps(run_dir)
@@ -499,7 +503,7 @@ def _fuzz(tmp: Path, opts: Options, items: list[str], result: Result, quick: boo
 
     f = result.figures
     run_dir = tmp / "fuzz"
-    proc = _launch(run_dir, items)
+    proc = launch_run(run_dir, items)
     if _wait(proc, run_dir, 2):
         ports = [port for listed in role_ports(run_dir).values() for port in listed] + launcher_ports(proc.pid, run_dir)
         start = time.perf_counter()

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.faults import training_prompts
+from benchmarks.faults import launch_run, training_prompts
 from benchmarks.fuzzing import dealer, fuzz, launcher_ports, role_ports, role_processes
 from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
 from yatt.ledger import Ledger
 from yatt.sampling import epoch_order
-from yatt.trace import FAILPOINT_ENV, SLOW_TRAIN_ENV
+from yatt.trace import SLOW_TRAIN_ENV
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def launch(
     run_dir: Path, *overrides: str, resume: Path | None = None, failpoint: str = "", env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "launch", "run", *overrides, "--run-dir", str(run_dir), "--no-progress"]
-    if resume is not None:
-        cmd += ["--resume", str(resume)]
-    env = {**os.environ, **(env or {}), **({FAILPOINT_ENV: failpoint} if failpoint else {})}
-    log = (run_dir.parent / f"{run_dir.name}.launcher.log").open("ab")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    return launch_run(run_dir, list(overrides), resume=resume, failpoint=failpoint, env=env)
 
 
 def finish(proc: subprocess.Popen[bytes], run_dir: Path, timeout: float = 900) -> None:

@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from launch.adaptive import Adapter, keep_places, moved, parks
 from launch.config import RunConfig, dump_run_config
@@ -594,7 +594,12 @@ class LocalLauncher:
                             if line["step"] >= self._replan_from:
                                 self._decisions.put_nowait(line)
                 pending = self._next_plan
-                if pending is not None and self._plan_can_go(*pending, logged=progress.last_step):
+                when = self._plan_can_go(pending[0], pending[2], logged=progress.last_step) if pending else "later"
+                if pending is not None and when == "never":  # the run's last checkpoint came first
+                    self._next_plan = None
+                    withdraw_checkpoint_request(self.run_dir)
+                    print(f"yatt: placement: the run ended before its next checkpoint; not carried out: {pending[1]}", flush=True)
+                elif pending is not None and when == "now":
                     self._next_plan = None  # (a decision made while this one is carried out is kept)
                     resumed = await self._apply_plan(directory, pending[0], pending[1])
                     if self.adapter is not None:  # the steps on the new plan warm up first
@@ -681,25 +686,21 @@ class LocalLauncher:
         if self.plan is not None and new_trainer_group(self.plan, plan):
             ask_for_checkpoint(self.run_dir, step)  # the new group starts from it
 
-    def _plan_can_go(self, plan: Plan, reason: str, step: int, *, logged: int) -> bool:
-        """Whether a re-planned ``plan`` can be carried out now: at once when the trainer ranks
-        keep their slots; a new trainer group goes through a checkpoint, so it waits for
-        the first complete one after the step it was decided after (the one it asked for,
-        or a periodic one: nothing trained is thrown away but the step under way), and for
-        the metrics line of the checkpoint's step (``logged``: the last step with one; rank
-        0 writes it after the checkpoint, and the new group trains from the next step)."""
+    def _plan_can_go(self, plan: Plan, step: int, *, logged: int) -> Literal["now", "later", "never"]:
+        """When a re-planned ``plan``, decided after ``step``, can be carried out: at once when
+        the trainer ranks keep their slots; a new trainer group goes through a checkpoint, so
+        it waits for the first complete one after that step (the one it asked for, or a
+        periodic one: nothing trained is thrown away but the step under way), and for the
+        metrics line of the checkpoint's step (``logged``: the last step with one; rank 0
+        writes it after the checkpoint, and the new group trains from the next step); never
+        when that checkpoint is the run's last (nothing left to train)."""
         assert self.plan is not None
         if not new_trainer_group(self.plan, plan):
-            return True
+            return "now"
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is None or checkpoint_step(checkpoint) <= step or logged < checkpoint_step(checkpoint) - 1:
-            return False
-        if checkpoint_step(checkpoint) >= self.cfg.run.steps:  # the run's last: nothing left to train
-            self._next_plan = None
-            withdraw_checkpoint_request(self.run_dir)
-            print(f"yatt: placement: the run ended before its next checkpoint; not carried out: {reason}", flush=True)
-            return False
-        return True
+            return "later"
+        return "never" if checkpoint_step(checkpoint) >= self.cfg.run.steps else "now"
 
     async def _apply_plan(self, directory: Directory, plan: Plan, reason: str) -> int | None:
         """Carry out a re-planned ``plan`` between two steps (``launch.adaptive``): the leaving

@@ -185,3 +185,30 @@ def test_each_decision_is_a_tensorboard_scalar_and_a_change_its_reason_as_text(t
     assert quiet is not None
     quiet.decide(0, slow_judge)
     assert not (tmp_path / "quiet" / "tensorboard").exists()  # report_to without tensorboard
+
+
+def test_a_new_trainer_group_waits_for_a_checkpoint_after_its_decision_and_never_for_the_last(tmp_path: Path) -> None:
+    """A change that keeps the ranks goes now; one that moves them waits for a complete
+    checkpoint after the step it was decided after and for that step's metrics line, and
+    is dropped when that checkpoint is the run's last (nothing left to train)."""
+    from launch.local import LocalLauncher
+
+    cluster = cpu_cluster([0, 1], 8 * GIB, slots=4)
+    launcher = LocalLauncher(load_run_config(EXAMPLE, ["run.steps=10"]), tmp_path, show_progress=False)
+    launcher.plan = assign("disaggregated", cluster, roles(2, 1))
+    same_ranks = keep_places(launcher.plan, assign("disaggregated", cluster, roles(1, 2)))
+    two_ranks = assign("disaggregated", cluster, Roles(trainers=2, generators=1, rewards=1, controllers=2, reward_engines=True))
+    assert launcher._plan_can_go(same_ranks, 3, logged=3) == "now"
+    assert launcher._plan_can_go(two_ranks, 3, logged=3) == "later"  # no checkpoint yet
+
+    def checkpoint(step: int) -> None:
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "done").write_text("")
+
+    checkpoint(3)
+    assert launcher._plan_can_go(two_ranks, 3, logged=3) == "later"  # not after the decision
+    checkpoint(5)
+    assert launcher._plan_can_go(two_ranks, 3, logged=3) == "later"  # step 4's line not written yet
+    assert launcher._plan_can_go(two_ranks, 3, logged=4) == "now"
+    checkpoint(10)
+    assert launcher._plan_can_go(two_ranks, 3, logged=9) == "never"

@@ -593,20 +593,21 @@ class LocalLauncher:
                         for line in progress.lines:
                             if line["step"] >= self._replan_from:
                                 self._decisions.put_nowait(line)
-                pending = self._next_plan
-                when = self._plan_can_go(pending[0], pending[2], logged=progress.last_step) if pending else "later"
-                if pending is not None and when == "never":  # the run's last checkpoint came first
-                    self._next_plan = None
-                    withdraw_checkpoint_request(self.run_dir)
-                    print(f"yatt: placement: the run ended before its next checkpoint; not carried out: {pending[1]}", flush=True)
-                elif pending is not None and when == "now":
-                    self._next_plan = None  # (a decision made while this one is carried out is kept)
-                    resumed = await self._apply_plan(directory, pending[0], pending[1])
-                    if self.adapter is not None:  # the steps on the new plan warm up first
-                        self.adapter.settle(resumed if resumed is not None else pending[2] + 1)
-                    if resumed is not None:  # the trainer group restarted at its new size
-                        progress.rewind(resumed)
-                        last_step = time.monotonic()
+                if (pending := self._next_plan) is not None:
+                    plan, reason, decided_after = pending
+                    when = self._plan_can_go(plan, decided_after, logged=progress.last_step)
+                    if when != "later":
+                        self._next_plan = None  # (a decision made while this one is carried out is kept)
+                    if when == "never":  # the run's last checkpoint came first
+                        withdraw_checkpoint_request(self.run_dir)
+                        print(f"yatt: placement: the run ended before its next checkpoint; not carried out: {reason}", flush=True)
+                    elif when == "now":
+                        resumed = await self._apply_plan(directory, plan, reason)
+                        if self.adapter is not None:  # the steps on the new plan warm up first
+                            self.adapter.settle(resumed if resumed is not None else decided_after + 1)
+                        if resumed is not None:  # the trainer group restarted at its new size
+                            progress.rewind(resumed)
+                            last_step = time.monotonic()
                 stall = self.cfg.run.stall_timeout_s
                 if stall and time.monotonic() - last_step > stall:
                     await write_stacks(self.procs)

@@ -28,6 +28,7 @@ feeds only the events after it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
@@ -530,20 +531,21 @@ class SamplingBuffer:
         before the last published version (trained by every rank) are not rebuilt.
         """
         ledger = self.ledger
-        found = ledger.snapshot()
-        snapshot = json.loads(found[1]) if found is not None else None
-        if snapshot is not None and snapshot.get("config") != self._fingerprint():
-            snapshot = None  # the config changed: the whole replay checks every decision against the new one
-        after = found[0] if found is not None and snapshot is not None else 0
-        groups = self._named_groups(snapshot, after) if snapshot is not None else None
-        if groups is None:
-            snapshot, after = None, 0
+        snapshot: dict[str, Any] = {}
+        groups: dict[GroupKey, tuple[ScoredGroup, str]] | None = None
+        after = 0
+        if (found := ledger.snapshot()) is not None:
+            snapshot = json.loads(found[1])
+            # (another config: the whole replay checks every decision against the new one)
+            if snapshot.get("config") == self._fingerprint:
+                groups = self._named_groups(snapshot, found[0])
+            after = found[0] if groups is not None else 0
         rows = ledger.standing(after=after)
         events = [e for e in rows if e.status in EVENT_STATUSES]
         versions = [e.policy_version or 0 for e in events if e.status == "version"]
-        self._replayed_version = max(versions, default=snapshot["version"] if snapshot is not None else 0)
+        self._replayed_version = max(versions, default=snapshot["version"] if groups is not None else 0)
         self.replayed_from = after
-        if snapshot is not None and groups is not None:
+        if groups is not None:
             self._restore(snapshot, groups)
         self.ledger = _Replaying()  # type: ignore[assignment]
         lazy = not self.config.max_completion_tokens and self._custom is None  # (those filters read whole groups)
@@ -576,7 +578,7 @@ class SamplingBuffer:
         # What the buffer goes on with is whole: the groups decided beyond the cursor and the wave being filled.
         self.decided = {g: (_full(group), accepted) for g, (group, accepted) in self.decided.items()}
         self.wave = [_full(group) for group in self.wave]
-        self.stats = Stats(**snapshot["stats"]) if snapshot is not None else Stats()
+        self.stats = Stats(**snapshot["stats"]) if groups is not None else Stats()
         for e in rows:
             if e.status not in GROUP_STATUSES:
                 continue
@@ -592,10 +594,11 @@ class SamplingBuffer:
         """The ledger's mark for a checkpoint, with a snapshot of this state at it."""
         return self.ledger.mark(snapshot=self.snapshot())
 
+    @functools.cached_property
     def _fingerprint(self) -> str:
         """What the decisions depend on besides the ledger: a snapshot made under another
         value of any of these is not used (the whole replay then checks the decisions). A
-        custom filter counts by its source code."""
+        custom filter counts by its source code. (Fixed for the buffer's life: made once.)"""
         custom = None
         if self._custom is not None:
             try:
@@ -616,7 +619,7 @@ class SamplingBuffer:
             return [dataclasses.astuple(group.group_key) for group in groups]
 
         return json.dumps({
-            "config": self._fingerprint(),
+            "config": self._fingerprint,
             "cursor": self.cursor, "step": self.step, "wave_index": self.wave_index, "version": self.version,
             "ema": self.ema, "dispatch_end": self.dispatch_end, "version_ceiling": self.version_ceiling,
             "stalled": self.stalled, "filtered_run": self.filtered_run,

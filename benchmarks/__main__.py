@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.harness import report
-from yatt.configtools import apply_overrides
 from yatt.errors import ConfigError
+from yatt.runtime.configtools import apply_overrides
 
 BENCHMARKS = {
     "controllers": "benchmarks.controllers",

@@ -1,6 +1,6 @@
 """``python -m benchmarks controllers``: how fast yatt's controllers route groups.
 
-What is measured: the routing cost of the real ``yatt.controller.Controller`` (its ``run``
+What is measured: the routing cost of the real ``yatt.rl.controller.Controller`` (its ``run``
 loop, ``_call``, the directory's ``pick``, the Client/Actor runtime and the codec), with
 every worker that would do real work replaced by a fake that answers at once::
 
@@ -11,7 +11,7 @@ every worker that would do real work replaced by a fake that answers at once::
                   --ScoredGroup-------------> fake buffer     Ack; counts the group once,
                                                               hands out a fresh key
 
-Each fake (``benchmarks/controllers_fakes.py``) is a real ``yatt.actor.Actor`` in a
+Each fake (``benchmarks/controllers_fakes.py``) is a real ``yatt.runtime.actor.Actor`` in a
 spawned process of its own, registered in a ``Registry`` as ``launch/role.py`` does, so
 the controllers find them through their ``Directory`` as in a run. The fake generator
 answers a GenerateRequest with ``n = group_size`` completions of ``max_new_tokens``
@@ -94,13 +94,13 @@ import psutil
 from benchmarks.controllers_fakes import PROMPTS_PER_SHARD, FakeBuffer, FakeGenerator, FakeReward
 from benchmarks.harness import LinePlot, Result, Series
 from protocols.messages import Ack, Metrics, Query
-from yatt.actor import Actor, Client
-from yatt.config import AlgorithmConfig, ControllerConfig
-from yatt.configtools import build, require
-from yatt.controller import Controller, ControllerActor
-from yatt.data import Prompt
-from yatt.registry import Directory, Registration, Registry
-from yatt.transport import Transport, TransportConfig
+from yatt.rl.config import AlgorithmConfig, ControllerConfig
+from yatt.rl.controller import Controller, ControllerActor
+from yatt.rl.data import Prompt
+from yatt.runtime.actor import Actor, Client
+from yatt.runtime.configtools import build, require
+from yatt.runtime.registry import Directory, Registration, Registry
+from yatt.runtime.transport import Transport, TransportConfig
 
 QUICK: dict[str, object] = {"controllers": [1, 2], "warmup_s": 0.5, "window_s": 1.5}
 HOST = "127.0.0.1"
@@ -170,7 +170,7 @@ async def _until_stopped(stop: asyncio.Event, work: Sequence[asyncio.Future[Any]
     )
     # From here on the processes of this configuration leave together: the runtime's
     # warnings about peers that left the directory are expected, not news.
-    logging.getLogger("yatt.actor").setLevel(logging.ERROR)
+    logging.getLogger("yatt.runtime.actor").setLevel(logging.ERROR)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

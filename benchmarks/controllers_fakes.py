@@ -1,5 +1,5 @@
 """The fake workers of the controllers benchmark (``benchmarks/controllers.py``): real
-``yatt.actor.Actor`` subclasses that do no work, so that what the benchmark measures is
+``yatt.runtime.actor.Actor`` subclasses that do no work, so that what the benchmark measures is
 the controllers' routing.
 
 - ``FakeGenerator``: every GenerateRequest answered at once with the same ``n``
@@ -32,8 +32,8 @@ from protocols.messages import (
     ScoreRequest,
     Scores,
 )
-from yatt.actor import Actor, handles
-from yatt.transport import Transport
+from yatt.runtime.actor import Actor, handles
+from yatt.runtime.transport import Transport
 
 PROMPTS_PER_SHARD = 64
 """Prompts per shard in the controllers' list (keys cycle through them, epoch by epoch)."""

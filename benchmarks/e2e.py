@@ -56,10 +56,10 @@ that TRL could not follow):
       master weights (FSDP2 mixed precision)    training; bf16 False where yatt computes in float32
     run.steps, run.seed                       max_steps, seed; logging_steps 1, save_strategy no
 
-Prompts: yatt's own (``yatt.data.load_prompts``, chat template applied), each decoded back to
+Prompts: yatt's own (``yatt.rl.data.load_prompts``, chat template applied), each decoded back to
 text; TRL tokenizes a plain-text prompt with ``processing_class(text=prompts)`` (trl 1.16,
 ``GRPOTrainer._tokenize_prompts``), and the benchmark checks that this gives back exactly
-yatt's ids for every prompt (it does for both tokenizers). Reward: ``yatt.tasks:digits_reward``
+yatt's ids for every prompt (it does for both tokenizers). Reward: ``yatt.rl.tasks:digits_reward``
 on the completion decoded with ``skip_special_tokens=True`` in both.
 
 Not matched, and why (also in the result's notes):
@@ -115,7 +115,7 @@ the training part of a step:
   dtype ``model.dtype=auto`` computes in here (bfloat16 where the CPU has it natively, AMX
   or AVX512-BF16; float32 where it does not, since bfloat16 then runs ~500x slower than
   float32 and is not what the jobs use), measured once at the start
-  (``launch.plan.measure_peak_flops``, 2048 x 2048, every core, 1 s).
+  (``launch.placement.inputs.measure_peak_flops``, 2048 x 2048, every core, 1 s).
 
 Ratios per size and layout, each the median over repeats of the ratio between the yatt
 run and the TRL run of the same repeat: ``<size>_<layout>_samples_per_s_vs_trl`` (yatt /
@@ -165,7 +165,7 @@ from benchmarks.jobs import (
 )
 from benchmarks.trl_grpo import TrlSpec
 from launch.config import RunConfig, load_run_config
-from yatt.configtools import build, require
+from yatt.runtime.configtools import build, require
 
 SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
 Size = Literal["tiny", "smollm2"]
@@ -237,7 +237,7 @@ def _model_dir(size: Size, scratch: Path) -> Path:
 
 def _compute_dtype(cfg: RunConfig) -> str:
     """What yatt computes in on this machine's CPU (the trainer's and engines' resolution)."""
-    from launch.plan import compute_dtype
+    from launch.placement.inputs import compute_dtype
 
     return compute_dtype(cfg.model.dtype, "cpu")
 
@@ -275,7 +275,7 @@ def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> tuple[TrlSpec, f
     exactly yatt's ids, and its settings) and the mean prompt length in tokens."""
     from transformers import AutoTokenizer
 
-    from yatt.data import load_prompts
+    from yatt.rl.data import load_prompts
 
     problems = _unmatchable(cfg)
     if problems:
@@ -506,7 +506,7 @@ def _measure(size: Size, steps: int, opts: Options, scratch: Path, peak_flops: f
 
 
 def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
-    from launch.plan import compute_dtype, measure_peak_flops
+    from launch.placement.inputs import compute_dtype, measure_peak_flops
 
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
     result = Result()

@@ -4,7 +4,7 @@ restarting everything.
 
 - Kills: one run per role (controller, generator, reward, buffer, trainer rank 1, and a
   buffer that hangs: SIGSTOP), the role killed once after step ``at``; then kills inside
-  a stage of milliseconds, landed by a failpoint (``yatt.trace``): trainer rank 0 halfway
+  a stage of milliseconds, landed by a failpoint (``yatt.runtime.trace``): trainer rank 0 halfway
   through a weight push, the generator loading weights, each trainer rank writing a
   checkpoint (in the background). From the ledger and the metrics: did the kill land,
   did the run finish unattended, groups lost (a prompt before the last trained one that
@@ -60,11 +60,11 @@ from benchmarks.harness import Result
 from benchmarks.jobs import read_metrics
 from launch.config import load_run_config
 from launch.local import latest_checkpoint
-from yatt.configtools import build
 from yatt.errors import ConfigError
-from yatt.ledger import Ledger
-from yatt.sampling import epoch_order
-from yatt.trace import FAILPOINT_ENV
+from yatt.rl.ledger import Ledger
+from yatt.rl.sampling import epoch_order
+from yatt.runtime.configtools import build
+from yatt.runtime.trace import FAILPOINT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = {
@@ -124,7 +124,7 @@ def launch_run(
     run_dir: Path, items: list[str], *, resume: Path | None = None, failpoint: str = "", env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """``python -m launch run ITEMS`` in its own session, its output appended to
-    ``<run_dir>.launcher.log``; ``failpoint`` armed (``yatt.trace``) and ``env`` added."""
+    ``<run_dir>.launcher.log``; ``failpoint`` armed (``yatt.runtime.trace``) and ``env`` added."""
     cmd = [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"]
     if resume is not None:
         cmd += ["--resume", str(resume)]
@@ -158,7 +158,7 @@ def _kill(run_dir: Path, role: str, index: int, sig: signal.Signals = signal.SIG
 def training_prompts(run_dir: Path) -> int:
     """How many training prompts the run's data has (those of ``data.eval_split`` aside):
     the length of each epoch's seeded order."""
-    from yatt.data import load_prompts
+    from yatt.rl.data import load_prompts
 
     cfg = load_run_config(run_dir / "config.yaml")
     return len(load_prompts(cfg.data, cfg.model.path or str(run_dir / "model")))
@@ -202,7 +202,7 @@ def _run(
     failpoint: str = "",
 ) -> tuple[float, int]:
     """One run, killing ``(after_step, role, index, signal)`` in order (the whole job when
-    ``restart_all``, then ``--resume``), and with ``failpoint`` armed (``yatt.trace``);
+    ``restart_all``, then ``--resume``), and with ``failpoint`` armed (``yatt.runtime.trace``);
     returns the wall seconds of all its launchers and how many kills found their process."""
     start, landed = time.perf_counter(), 0
     proc = launch_run(run_dir, items, failpoint=failpoint)
@@ -313,7 +313,7 @@ def late_stops(tmp: Path, result: Result) -> None:
 @dataclass(frozen=True, kw_only=True)
 class Kill:
     """One kill run: a signal to ``role-index`` once ``faults.at`` steps are done, or, to
-    land inside a stage of milliseconds, a failpoint (``yatt.trace``) armed from the start."""
+    land inside a stage of milliseconds, a failpoint (``yatt.runtime.trace``) armed from the start."""
 
     name: str
     label: str
@@ -554,7 +554,7 @@ def replay_cost(run_dir: Path) -> dict[str, float]:
     to the same state."""
     import sqlite3
 
-    from yatt.sampling import SamplingBuffer
+    from yatt.rl.sampling import SamplingBuffer
 
     cfg = load_run_config(run_dir / "config.yaml")
     num_prompts = training_prompts(run_dir)

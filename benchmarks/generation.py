@@ -79,10 +79,10 @@ from protocols.messages import (
     SamplingParams,
     Shutdown,
 )
-from yatt.actor import Client
-from yatt.config import GeneratorConfig
-from yatt.configtools import build, require
-from yatt.transport import Transport, TransportConfig
+from yatt.rl.config import GeneratorConfig
+from yatt.runtime.actor import Client
+from yatt.runtime.configtools import build, require
+from yatt.runtime.transport import Transport, TransportConfig
 
 SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
 FIRST_PROMPT_ID = 32  # prompt tokens are drawn above the special tokens of both models

@@ -39,7 +39,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run one part under its limit, its outp
     $PY -c "import sys, torch, transformers, zmq; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'pyzmq', zmq.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
 } 2>&1 | tee -a "$LOG"
 
-part pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/workers/test_trainer.py tests/workers/test_engines.py tests/e2e/test_loop.py
+part pytest_gpu 150 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/workers/test_trainer.py tests/workers/engines/test_engines.py tests/e2e/test_loop.py
 
 part default_job 150 $PY -m launch run trainer.world_size=1 --run-dir "$WORK/default-run" --no-progress
 $PY - "$WORK/default-run" "$OUT/default_metrics.jsonl" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -61,7 +61,7 @@ part stages_wide 180 $PY -m benchmarks stages --out "$OUT" --set steps=12 \
     --set "overrides=[model.path=$WORK/wide-model, model.dtype=bfloat16, trainer.world_size=1, buffer.groups_per_step=32, controller.max_new_tokens=8]"
 
 part matmul_peak 40 $PY -c "
-from launch.plan import measure_peak_flops
+from launch.placement.inputs import measure_peak_flops
 for dt in ('bfloat16', 'float32'):
     for n in (1024, 8192):  # 1024: what the planner measures at the start of a run
         print(f'{dt} {n}x{n}: {measure_peak_flops(device=\"cuda:0\", dtype=dt, size=n, seconds=1.0) / 1e12:.0f} TFLOP/s')

@@ -21,7 +21,7 @@ says how many samples a job got. A peak shorter than the sampling period can be 
 The functions at the bottom read a job's per-step metrics (yatt's ``metrics.jsonl``, or the
 same keys written by ``benchmarks.trl_grpo``): the training window, trailing moving
 averages of the reward, when a reward is first reached and what the reward was at a given
-time. They are pure, so tests/test_bench_e2e.py checks them on hand-computed cases.
+time. They are pure, so tests/benchmarks/test_e2e.py checks them on hand-computed cases.
 """
 
 from __future__ import annotations

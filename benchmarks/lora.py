@@ -24,8 +24,8 @@ from pathlib import Path
 from benchmarks.fuzzing import role_processes
 from benchmarks.harness import Result
 from benchmarks.jobs import run_yatt
-from yatt.configtools import build
 from yatt.errors import ConfigError
+from yatt.runtime.configtools import build
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,7 +47,7 @@ Compared on each workload: the planner's best split of each layout chosen at ste
 Calibration against real runs (``calibration``, on by default, ~4 min): the cost model the
 simulator's planner uses is only as good as its calibration, so the default job runs here
 twice, colocated and disaggregated (``placement.layout``); each run's metrics calibrate the
-costs (``launch.plan.run_costs``, what ``python -m launch plan --from RUN_DIR`` does), and
+costs (``launch.placement.inputs.run_costs``, what ``python -m launch plan --from RUN_DIR`` does), and
 the planner predicts the median step of both runs from each calibration: the run's own
 layout (the fit) and the other layout (a prediction it was not fitted to).
 
@@ -79,11 +79,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import LinePlot, Result, Series
-from yatt.configtools import build, require
 from yatt.placement.adaptive import Replanner, StepTimes, SwitchCosts, pools
 from yatt.placement.layouts import LayoutError, Roles, assign, gpu_cluster
 from yatt.placement.plan import LAYOUTS, Layout, Plan
 from yatt.placement.planner import GIB, ModelSizes, StageCosts, Workload, candidates, ladder, predict
+from yatt.runtime.configtools import build, require
 
 # Qwen2.5-7B on H200-class GPUs (141 GB, 989 TFLOP/s dense bf16, 4.8 TB/s).
 POLICY = ModelSizes(
@@ -548,7 +548,7 @@ def live(result: Result, repeats: int) -> None:
     from benchmarks.faults import audit, training_prompts
     from benchmarks.jobs import run_yatt
     from launch.config import load_run_config
-    from workers.reward import SLOW_ENV
+    from workers.reward.worker import SLOW_ENV
 
     f, r = result.figures, result.ratios
     seed = load_run_config(LIVE_EXAMPLE).run.seed
@@ -595,7 +595,7 @@ def calibration(result: Result, steps: int) -> None:
     checkpoint left out)."""
     from benchmarks.jobs import run_yatt
     from launch.config import load_run_config
-    from launch.plan import plan_for_run, run_costs, this_machine
+    from launch.placement.inputs import plan_for_run, run_costs, this_machine
 
     overrides = [f"run.steps={steps}", "trainer.checkpoint_every=0"]
     with tempfile.TemporaryDirectory(prefix="yatt-placement-") as scratch:

@@ -1,6 +1,6 @@
 """``python -m benchmarks stages``: where one run's time goes, per stage and per role.
 
-One job runs with ``run.trace=true`` (``yatt.trace``): every role process writes the spans
+One job runs with ``run.trace=true`` (``yatt.runtime.trace``): every role process writes the spans
 of its work, on one wall clock. The job is yatt's side of ``python -m benchmarks e2e``
 (``benchmarks.e2e.JOBS``: the default job, without the all-equal filter, so that it is
 the job compared with TRL), at either size, in one placement layout (``placement.layout``,

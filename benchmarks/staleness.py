@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.harness import LinePlot, Result, Series
 from benchmarks.jobs import Training, moving_average, reward_at, run_yatt, training
-from yatt.configtools import build, require
+from yatt.runtime.configtools import build, require
 
 QUICK: dict[str, object] = {"ks": [0, 2], "steps": 6}
 WINDOW = 3

@@ -29,9 +29,9 @@ import torch
 from benchmarks import transport_raw as raw
 from benchmarks.harness import Result
 from protocols.messages import Ack, Message, Query, WeightUpdate
-from yatt.actor import Actor, Client, handles
-from yatt.streams import StreamSender
-from yatt.transport import Transport, TransportConfig, make_curve_keys
+from yatt.runtime.actor import Actor, Client, handles
+from yatt.runtime.streams import StreamSender
+from yatt.runtime.transport import Transport, TransportConfig, make_curve_keys
 
 SMALL_TEXT = "x" * 84  # the encoded Query header is then 100 bytes
 

@@ -47,8 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from yatt.configtools import build
-from yatt.tasks import digits_reward
+from yatt.rl.tasks import digits_reward
+from yatt.runtime.configtools import build
 
 
 @dataclass(frozen=True, kw_only=True)

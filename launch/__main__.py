@@ -18,26 +18,27 @@ from pathlib import Path
 
 import yaml
 
-from launch import evaluate, plan, slurm
+from launch import evaluate, slurm
 from launch.config import load_run_config, split_items
 from launch.local import LocalLauncher, latest_checkpoint
-from yatt.configtools import to_dict
+from launch.placement import inputs
 from yatt.errors import ConfigError
+from yatt.runtime.configtools import to_dict
 
 SECTIONS = """config sections (a YAML file with any of them, or dotted.key=value overrides; every field is
 documented where its class is defined; --print-config shows them all with their values):
   run        the run as a whole: steps, processes, restarts, authentication  launch/config.py: RunSettings
-  model      the policy: local path, dtype                                    yatt/config.py: ModelConfig
-  data       prompts: synthetic, jsonl, parquet, reasoning_gym; held-out ones yatt/config.py: DataConfig
-  eval       evaluation: greedy, n samples, pass threshold (run.eval_every)  yatt/config.py: EvalConfig
-  controller sampling, request timeouts                                       yatt/config.py: ControllerConfig
-  generator  engine (transformers, vllm), batching                           yatt/config.py: GeneratorConfig
-  reward     the scorers of the reward mix                                    yatt/config.py: RewardConfig
-  buffer     dynamic sampling, staleness, micro-batches                       yatt/config.py: BufferConfig
-  algorithm  advantage, losses, KL, clipping                                  yatt/config.py: AlgorithmConfig
-  trainer    FSDP2 ranks, optimizer, checkpoints, weight sync                 yatt/config.py: TrainerConfig
-  transport  ZeroMQ: timeouts, heartbeats, CURVE                              yatt/transport.py: TransportConfig
-  placement  colocated, partial, disaggregated, auto                          yatt/config.py: PlacementConfig
+  model      the policy: local path, dtype                                    yatt/rl/config.py: ModelConfig
+  data       prompts: synthetic, jsonl, parquet, reasoning_gym; held-out ones yatt/rl/config.py: DataConfig
+  eval       evaluation: greedy, n samples, pass threshold (run.eval_every)  yatt/rl/config.py: EvalConfig
+  controller sampling, request timeouts                                       yatt/rl/config.py: ControllerConfig
+  generator  engine (transformers, vllm), batching                           yatt/rl/config.py: GeneratorConfig
+  reward     the scorers of the reward mix                                    yatt/rl/config.py: RewardConfig
+  buffer     dynamic sampling, staleness, micro-batches                       yatt/rl/config.py: BufferConfig
+  algorithm  advantage, losses, KL, clipping                                  yatt/rl/config.py: AlgorithmConfig
+  trainer    FSDP2 ranks, optimizer, checkpoints, weight sync                 yatt/rl/config.py: TrainerConfig
+  transport  ZeroMQ: timeouts, heartbeats, CURVE                              yatt/runtime/transport.py: TransportConfig
+  placement  colocated, partial, disaggregated, auto                          yatt/rl/config.py: PlacementConfig
   slurm      run dirs and head ports under SLURM                              launch/config.py: SlurmSettings
 """
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "--print-config", action="store_true", help="print the resolved config (every default filled in) and exit"
     )
     slurm.add_parsers(sub)
-    plan.add_parser(sub)
+    inputs.add_parser(sub)
     evaluate.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command != "run":

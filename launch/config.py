@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from yatt.config import (
+from yatt.errors import ConfigError
+from yatt.rl.config import (
     AlgorithmConfig,
     BufferConfig,
     ControllerConfig,
@@ -27,9 +28,8 @@ from yatt.config import (
     RewardConfig,
     TrainerConfig,
 )
-from yatt.configtools import apply_overrides, build, require, to_dict
-from yatt.errors import ConfigError
-from yatt.transport import TransportConfig
+from yatt.runtime.configtools import apply_overrides, build, require, to_dict
+from yatt.runtime.transport import TransportConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 """The built-in default job: a tiny model on a synthetic task, on CPU."""
@@ -79,7 +79,7 @@ class RunSettings:
     """Evaluate on the held-out prompts (data.eval_path or data.eval_split; see the eval
     section) before the first step, every this many steps and after the last; 0: never."""
     trace: bool = False
-    """Write every role's spans to <run_dir>/trace/<role>-<index>.jsonl (yatt.trace; for timelines)."""
+    """Write every role's spans to <run_dir>/trace/<role>-<index>.jsonl (yatt.runtime.trace; for timelines)."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "steps", f"must be >= 1 (got {self.steps})")

@@ -1,7 +1,7 @@
 """``python -m launch eval RUN_DIR|MODEL_DIR [CONFIG.yaml] [dotted.key=value ...] [--run-dir DIR]``:
 evaluate a finished run's final model, or any Hugging Face model directory, on held-out
 prompts, with the same processes a run has (buffer, controllers, generators, reward
-workers; no trainer) and the same metrics (``yatt.evaluation``).
+workers; no trainer) and the same metrics (``yatt.rl.evaluation``).
 
 - ``RUN_DIR`` (it holds ``config.yaml`` and ``final/``): the run's config and its final
   model, written to ``RUN_DIR/evals/<time>`` by default.
@@ -30,7 +30,7 @@ from protocols.messages import Query, StepReport
 from workers.run_log import RunLog
 from yatt.errors import ConfigError
 from yatt.placement.plan import Plan
-from yatt.registry import Directory
+from yatt.runtime.registry import Directory
 
 
 def eval_target(target: Path, items: list[str]) -> tuple[RunConfig, Path, int]:

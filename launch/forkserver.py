@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 PRELOAD = (
-    "launch.forkserver_init", "torch", "transformers", "workers.engines.hf", "workers.reward", "workers.trainer_rank", "yatt.buffer",
-    "yatt.controller", "launch.role",
+    "launch.forkserver_init", "torch", "transformers", "workers.engines.hf", "workers.reward.worker", "workers.trainer_rank", "yatt.rl.buffer",
+    "yatt.rl.controller", "launch.role",
 )  # fmt: skip
 """What the server imports once: the modules whose import takes a forked role's time."""
 

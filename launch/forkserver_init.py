@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from yatt.lifetime import die_with_parent
+from yatt.runtime.lifetime import die_with_parent
 
 MARK = "YATT_FORK_SERVER_OF"
 

@@ -13,7 +13,7 @@ registered (the READY handshake), then watches them::
                      it (a new incarnation, whose weights the generators take); each at
                      most run.restart_limit times
         re-planned : after each step, the pools' busy times and the step's metrics go to the
-                     replanner (placement.adaptive, launch/adaptive.py; placement.jsonl); a
+                     replanner (placement.adaptive, launch/placement/adapter.py; placement.jsonl); a
                      changed plan moves generator and reward-engine slots between two steps
         watched    : no new step within run.stall_timeout_s stops the run with every
                      role's state and log tail; every role dies with the launcher
@@ -42,15 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from launch.adaptive import Adapter, keep_places, moved, parks
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
-from launch.placement import assignment_for, describe, make_plan, world_size_of, write_plan
-from launch.plan import BUILTIN_TINY, this_machine
+from launch.placement.adapter import Adapter, keep_places, moved, parks
+from launch.placement.inputs import BUILTIN_TINY, this_machine
+from launch.placement.plan_file import assignment_for, describe, make_plan, world_size_of, write_plan
 from protocols.messages import Ack, Query, WorkerInfo
-from yatt import trace
-from yatt.actor import Client
-from yatt.checkpoints import ask_for_checkpoint, withdraw_checkpoint_request
 from yatt.errors import (
     RUN_STOPPED_EXIT,
     ActorFailed,
@@ -62,11 +59,14 @@ from yatt.errors import (
 )
 from yatt.placement.adaptive import SwitchCosts, new_trainer_group
 from yatt.placement.plan import ClusterSpec, Plan
-from yatt.registry import Directory, Registry
-from yatt.transport import Transport, make_curve_keys
+from yatt.rl.checkpoints import ask_for_checkpoint, withdraw_checkpoint_request
+from yatt.runtime import trace
+from yatt.runtime.actor import Client
+from yatt.runtime.registry import Directory, Registry
+from yatt.runtime.transport import Transport, make_curve_keys
 
 if TYPE_CHECKING:
-    from yatt.data import Prompt
+    from yatt.rl.data import Prompt
 
 RESTARTABLE = ("controller", "generator", "reward", "buffer")
 GRACE_S = 15.0
@@ -104,7 +104,7 @@ class Proc:
 @dataclass
 class Parked:
     """A generator of a partial plan that a change took out of the pool: asleep, its
-    process kept for a later change that gives its slots back (``launch.adaptive``)."""
+    process kept for a later change that gives its slots back (``launch.placement.adapter``)."""
 
     proc: Proc
     worker: WorkerInfo
@@ -314,7 +314,7 @@ class LocalLauncher:
         checkpoint load); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
         if not self.cfg.placement.adaptive or self.plan is None or self.cluster is None:
             return None
-        from launch.plan import with_peak
+        from launch.placement.inputs import with_peak
 
         cluster = self.cluster if self.cluster.peak_flops > 0 else with_peak(self.cluster, self.cfg.model.dtype)
         switch = SwitchCosts(to_rollout_s=ready_s, to_train_s=1.0, reshard_s=ready_s)
@@ -445,8 +445,8 @@ class LocalLauncher:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
         self.cfg = await asyncio.to_thread(with_builtin_scorer_models, self.cfg, self.run_dir)
-        from workers.scorers import check_custom_scorers
-        from yatt.data import PROMPT_SETS_FILE, load_prompt_sets, write_prompt_sets
+        from workers.reward.scorers import check_custom_scorers
+        from yatt.rl.data import PROMPT_SETS_FILE, load_prompt_sets, write_prompt_sets
 
         sets = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
         await asyncio.to_thread(
@@ -704,7 +704,7 @@ class LocalLauncher:
         return "never" if checkpoint_step(checkpoint) >= self.cfg.run.steps else "now"
 
     async def _apply_plan(self, directory: Directory, plan: Plan, reason: str) -> int | None:
-        """Carry out a re-planned ``plan`` between two steps (``launch.adaptive``): the leaving
+        """Carry out a re-planned ``plan`` between two steps (``launch.placement.adapter``): the leaving
         generators and reward workers stop (their in-flight requests are re-issued), the plan
         is written, the joining ones start on their slots. When the trainer ranks move or the
         layout changes, the group restarts at its new size (its ranks hosting engines or not,

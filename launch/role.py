@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.config import RunConfig, load_run_config
-from launch.placement import assignment_for, pin, read_plan, world_size_of
-from yatt import trace
-from yatt.actor import Actor
+from launch.placement.plan_file import assignment_for, pin, read_plan, world_size_of
 from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
-from yatt.lifetime import die_with_parent
-from yatt.registry import Directory, Registration
-from yatt.transport import Transport
+from yatt.runtime import trace
+from yatt.runtime.actor import Actor
+from yatt.runtime.lifetime import die_with_parent
+from yatt.runtime.registry import Directory, Registration
+from yatt.runtime.transport import Transport
 
 if TYPE_CHECKING:
-    from workers.scorers import RewardMix
-    from yatt.data import Prompt
+    from workers.reward.scorers import RewardMix
+    from yatt.rl.data import Prompt
 
 logger = logging.getLogger("yatt.role")
 
@@ -119,14 +119,14 @@ async def _serve(
 
 def _prompt_sets(cfg: RunConfig, run_dir: Path, model_path: Path) -> tuple[list[Prompt], list[Prompt]]:
     """The run's (training, held-out) prompts: those the launcher wrote to the run dir, else tokenised now."""
-    from yatt.data import PROMPT_SETS_FILE, load_prompt_sets, read_prompt_sets
+    from yatt.rl.data import PROMPT_SETS_FILE, load_prompt_sets, read_prompt_sets
 
     sets = read_prompt_sets(run_dir / PROMPT_SETS_FILE, cfg.data, str(model_path))
     return sets if sets is not None else load_prompt_sets(cfg.data, str(model_path))
 
 
 async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
-    from yatt.buffer import Buffer
+    from yatt.rl.buffer import Buffer
 
     prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
     actor = Buffer(
@@ -147,7 +147,7 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
 
 
 async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
-    from yatt.controller import Controller, ControllerActor
+    from yatt.rl.controller import Controller, ControllerActor
 
     prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
     async with Directory(transport, args.registry, name=f"controller-{args.index}") as directory:
@@ -184,7 +184,7 @@ async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transp
 async def _reward(
     cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event, *, mix: RewardMix | None = None
 ) -> None:
-    from workers.reward import Reward
+    from workers.reward.worker import Reward
 
     actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path),
                    slow=trace.reward_slowdown(Path(args.run_dir)), mix=mix)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     pin(assignment_for(read_plan(args.run_dir), args.role, args.index))  # before any model loads
     role_main = _MAINS[args.role]
     if args.role == "reward":
-        from workers.scorers import RewardMix
+        from workers.reward.scorers import RewardMix
 
         # Before any thread starts (tracing's sampler, ZeroMQ's, the event loop's): its
         # scorer pool is forked while this process runs one thread, not spawned.

@@ -206,7 +206,7 @@ def resolve_layout(cfg: RunConfig, nodes: int, cpus: Sequence[int], gpus_per_nod
     choices = fitting_layouts(cfg, nodes, gpus_per_node)
     if len(choices) <= 1:  # nothing to choose (none: the disaggregated layout's error says what to ask for)
         return choices[0] if choices else "disaggregated"
-    from launch.plan import machine_memory, plan_for_run
+    from launch.placement.inputs import machine_memory, plan_for_run
     from yatt.placement.layouts import cpu_cluster, gpu_cluster
 
     if gpus_per_node:

@@ -48,7 +48,7 @@ class GroupKey:
     after a filter rejected the group), so the buffer's ledger can keep exactly-once.
     """
 
-    epoch: int  # < 0: a group of the evaluation of policy version -epoch - 1 (yatt.evaluation)
+    epoch: int  # < 0: a group of the evaluation of policy version -epoch - 1 (yatt.rl.evaluation)
     shard: int
     prompt_index: int  # index into the epoch's shuffled order of the whole dataset (eval: of the held-out prompts)
     attempt: int = 0  # eval: 0 the greedy completion, 1 the sampled ones
@@ -170,7 +170,7 @@ class StepReport(Message):
     """What the buffer saw of one step's groups (every group it consumed for the step,
     trained or filtered): reward, per-scorer, failure and length statistics, and a sample
     of the groups themselves for the rollout log. Reply to Query("step_report"); and to
-    Query("evaluate"), with ``step`` the evaluated version and eval/* values (yatt.evaluation)."""
+    Query("evaluate"), with ``step`` the evaluated version and eval/* values (yatt.rl.evaluation)."""
 
     KIND: ClassVar[bytes] = b"step.report"
 

@@ -20,7 +20,7 @@ generates with, then ``set_version``; a generator of the partial layout is put t
 what it can: vLLM's sleep mode on GPU) and wakes with the next weight update it applies.
 
 Parked (a re-planned partial run whose new plan takes this generator's slot for training
-or a judge, ``launch.adaptive``): ``Query("park")`` takes it out of the pool (it
+or a judge, ``launch.placement.adapter``): ``Query("park")`` takes it out of the pool (it
 deregisters: the controllers re-issue its in-flight requests elsewhere; those it holds fail)
 and puts it to sleep, the process kept; ``Query("unpark")`` registers it again when a
 later change gives the slot back, and trainer rank 0's push of the current weights wakes
@@ -48,12 +48,12 @@ from protocols.messages import (
     WeightUpdate,
 )
 from workers.engines.base import Engine, PromptRequest, Sample
-from yatt import trace
-from yatt.actor import Actor, handles
-from yatt.config import GeneratorConfig
 from yatt.errors import ProtocolError, YattError
-from yatt.registry import Registration
-from yatt.transport import Transport
+from yatt.rl.config import GeneratorConfig
+from yatt.runtime import trace
+from yatt.runtime.actor import Actor, handles
+from yatt.runtime.registry import Registration
+from yatt.runtime.transport import Transport
 
 logger = logging.getLogger(__name__)
 

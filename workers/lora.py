@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel
 
-from yatt.config import LoRAConfig
 from yatt.errors import ConfigError
+from yatt.rl.config import LoRAConfig
 
 if TYPE_CHECKING:
     from peft import LoraConfig

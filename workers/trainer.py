@@ -15,7 +15,7 @@ generators, without ever holding the whole model on one rank. One step::
 
 ``train_step(micro_batches)`` runs the three for an iterable. The division by the global
 count after the last backward makes the result equal to the full-batch token mean (or
-sequence mean) for any number of ranks and micro-batches (see ``yatt.rl_math``).
+sequence mean) for any number of ranks and micro-batches (see ``yatt.rl.rl_math``).
 
 Several updates per batch. With ``trainer.mini_batches`` > 1, ``algorithm.ppo_epochs`` > 1
 or a batch-wide estimator (reinforce_pp, reinforce_pp_baseline, gae), ``train_step`` holds
@@ -115,9 +115,10 @@ from transformers import (
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
-from yatt import rl_math, trace
-from yatt.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
+from yatt.rl import rl_math
+from yatt.rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from yatt.runtime import trace
 
 # The step's local sums, all-reduced together in one collective by reduce_gradients.
 _SUMS = (

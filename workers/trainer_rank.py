@@ -8,7 +8,7 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
     rank 0: WeightUpdate buckets -> every generator, waits for their Acks
             PolicyVersion(k+1)   -> buffer (re-opens the dispatch window when on-policy)
     every trainer.checkpoint_every steps, at the end and when the launcher asks
-    (yatt.checkpoints: a re-planned trainer group): DCP checkpoint of step k+1 into
+    (yatt.rl.checkpoints: a re-planned trainer group): DCP checkpoint of step k+1 into
             checkpoints/step_{k+1} (copied now, written in the background:
             trainer.checkpoint_async), the buffer's ledger mark beside it; rank 0 writes its
             ``done`` marker the moment the write ends and the step's metrics line is written
@@ -69,13 +69,13 @@ from workers.generator import Generator
 from workers.lora import is_adapter
 from workers.run_log import RunLog
 from workers.trainer import Trainer
-from yatt import trace
-from yatt.actor import Actor, handles
-from yatt.checkpoints import asked_for_checkpoint
-from yatt.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
-from yatt.registry import Directory
-from yatt.transport import Transport, TransportConfig
+from yatt.rl.checkpoints import asked_for_checkpoint
+from yatt.rl.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
+from yatt.runtime import trace
+from yatt.runtime.actor import Actor, handles
+from yatt.runtime.registry import Directory
+from yatt.runtime.transport import Transport, TransportConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,7 +407,7 @@ class TrainerRank:
             await self._evaluate(buffer, version)
 
     def _checkpoint_asked(self) -> bool:
-        """Rank 0: whether the launcher asks for a checkpoint (``yatt.checkpoints``) that
+        """Rank 0: whether the launcher asks for a checkpoint (``yatt.rl.checkpoints``) that
         this group has not written: none of a version after the step it was asked after."""
         after = asked_for_checkpoint(self.run_dir)
         return after is not None and self._checkpointed <= after

@@ -23,10 +23,10 @@ from benchmarks.faults import audit, training_prompts
 from launch.config import load_run_config
 from tests.e2e.test_loop import finish, metrics
 from tests.learning import assert_default_job_learned
-from workers.reward import SLOW_ENV
+from workers.reward.worker import SLOW_ENV
 from yatt.placement.layouts import Roles, assign
 from yatt.placement.plan import Plan
-from yatt.trace import SLOW_TRAIN_ENV
+from yatt.runtime.trace import SLOW_TRAIN_ENV
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

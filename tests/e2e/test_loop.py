@@ -24,9 +24,9 @@ from benchmarks.faults import launch_run, training_prompts
 from benchmarks.fuzzing import dealer, fuzz, launcher_ports, role_ports, role_processes
 from launch.config import DEFAULT_CONFIG, load_run_config
 from tests.learning import assert_default_job_learned
-from yatt.ledger import Ledger
-from yatt.sampling import epoch_order
-from yatt.trace import SLOW_TRAIN_ENV
+from yatt.rl.ledger import Ledger
+from yatt.rl.sampling import epoch_order
+from yatt.runtime.trace import SLOW_TRAIN_ENV
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def replies_to_stats(endpoint: str, keys: Path | None, *, authorised: bool) -> b
 
     from protocols.codec import encode
     from protocols.messages import Query
-    from yatt.actor import request_id
+    from yatt.runtime.actor import request_id
 
     ctx = zmq.Context()
     sock = dealer(ctx, endpoint, keys, authorised=authorised)
@@ -435,7 +435,7 @@ def stopped_run(tmp_path: Path, name: str, function: str, **buffer: object) -> t
     """The default job scored only by ``scorer_fixtures.<function>`` (and ``buffer`` fields):
     it must stop the run (exit 1); returns its run dir and launcher log."""
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["reward"]["scorers"] = [{"kind": "custom", "name": name, "function": f"tests.workers.scorer_fixtures:{function}"}]
+    config["reward"]["scorers"] = [{"kind": "custom", "name": name, "function": f"tests.workers.reward.scorer_fixtures:{function}"}]
     config["buffer"].update(buffer)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))

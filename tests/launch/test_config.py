@@ -113,7 +113,7 @@ def test_a_reward_function_that_cannot_be_called_is_refused_in_one_line(
 ) -> None:
     config = tmp_path / "trl.yaml"
     config.write_text(
-        "reward:\n  scorers:\n    - kind: custom\n      function: tests.workers.scorer_fixtures:trl_needs_solution\n"
+        "reward:\n  scorers:\n    - kind: custom\n      function: tests.workers.reward.scorer_fixtures:trl_needs_solution\n"
     )
     assert main(["run", str(config), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
@@ -137,4 +137,4 @@ def test_help_lists_the_sections_and_where_they_are_documented(capsys: pytest.Ca
     out = capsys.readouterr().out
     for section in ("run", "model", "data", "controller", "generator", "reward", "buffer", "algorithm", "trainer", "transport", "placement", "slurm"):
         assert f"\n  {section} " in out, section
-    assert "yatt/config.py: BufferConfig" in out and "--print-config" in out
+    assert "yatt/rl/config.py: BufferConfig" in out and "--print-config" in out

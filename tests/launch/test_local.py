@@ -16,7 +16,7 @@ import pytest
 import launch.local
 from launch.config import load_run_config
 from launch.local import LocalLauncher, Proc, role_threads
-from launch.placement import make_plan
+from launch.placement.plan_file import make_plan
 from yatt.placement.layouts import cpu_cluster, gpu_cluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,7 +37,7 @@ from launch.slurm import (
 )
 from tests.learning import assert_default_job_learned
 from yatt.errors import ConfigError
-from yatt.ledger import Ledger
+from yatt.rl.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = role_counts(load_run_config(None))  # buffer 1, reward 1, generator 1, controller 2, trainer 2

@@ -29,11 +29,11 @@ from protocols.messages import (
 )
 from workers.engines import make_engine
 from workers.generator import Generator
-from yatt.actor import Client
-from yatt.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
 from yatt.errors import ProtocolError, RemoteError
-from yatt.registry import Directory, Registration, Registry
-from yatt.transport import Transport
+from yatt.rl.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
+from yatt.runtime.actor import Client
+from yatt.runtime.registry import Directory, Registration, Registry
+from yatt.runtime.transport import Transport
 
 
 @pytest.fixture

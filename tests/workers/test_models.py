@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.config import load_run_config
 from workers.models import WARM_START_FILE, warm_start
-from yatt.data import load_prompt_sets
+from yatt.rl.data import load_prompt_sets
 
 
 def _greedy_answers(model_dir: Path, prompts: list[list[int]]) -> list[str]:

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from protocols.messages import GroupKey, MicroBatch
 from workers.engines.hf import HFEngine
 from workers.trainer import Trainer, _plan_buckets
-from yatt.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
 from yatt.errors import ConfigError, ProtocolError
+from yatt.rl.config import AlgorithmConfig, GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig
 
 Results = dict[str, Any]
 Batch = dict[str, torch.Tensor]
@@ -283,7 +283,7 @@ def several_updates(rank: int, model_dir: str, out: str) -> None:
     kl_trainer = make_trainer(model_dir, adaptive)
     results["adaptive"] = [kl_trainer.train_step(rank_batches(batch, SPLITS_2[rank], s, rank)) for s in range(2)]
     # A user's loss by dotted path; a bad path is a ConfigError naming the field.
-    custom = make_trainer(model_dir, AlgorithmConfig(policy_loss="tests.yatt.test_rl_math:my_loss"))
+    custom = make_trainer(model_dir, AlgorithmConfig(policy_loss="tests.yatt.rl.test_rl_math:my_loss"))
     results["custom_nll"] = batch_nll(custom, batch)
     results["custom"] = custom.train_step(rank_batches(supervised(batch), SPLITS_2[rank], 0, rank))
     with pytest.raises(ConfigError, match="algorithm.policy_loss: 'no_such.module:fn'"):

@@ -9,9 +9,9 @@ from typing import TypeVar
 
 import pytest
 
-from yatt.actor import Actor
 from yatt.errors import TransportError
-from yatt.transport import Transport, TransportConfig
+from yatt.runtime.actor import Actor
+from yatt.runtime.transport import Transport, TransportConfig
 
 A = TypeVar("A", bound=Actor)
 

@@ -7,8 +7,8 @@ module only when asked, so a transformers-only process never imports vLLM.
 from __future__ import annotations
 
 from workers.engines.base import DType, Engine, PromptRequest, Sample
-from yatt.config import GeneratorConfig, LoRAConfig
 from yatt.errors import ConfigError
+from yatt.rl.config import GeneratorConfig, LoRAConfig
 
 __all__ = ["Engine", "PromptRequest", "Sample", "make_engine"]
 

@@ -35,8 +35,8 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import is_adapter, with_lora
-from yatt.config import GeneratorConfig, LoRAConfig
 from yatt.errors import Closed, ConfigError
+from yatt.rl.config import GeneratorConfig, LoRAConfig
 
 # What requests must share to go into one generate call: every sampling parameter but the seed.
 _GroupKey = tuple[object, ...]

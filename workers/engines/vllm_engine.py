@@ -67,8 +67,8 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import adapter_file_name, is_adapter, peft_config, with_lora
-from yatt.config import GeneratorConfig, LoRAConfig
 from yatt.errors import Closed, ConfigError
+from yatt.rl.config import GeneratorConfig, LoRAConfig
 
 _DTYPE_NAMES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
     torch.float32: "float32",

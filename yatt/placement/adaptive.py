@@ -23,7 +23,7 @@ boundary: slots that start serving (engine start and weight load), slots that st
 (sleep, in-flight requests finished or re-issued), and a trainer world-size change
 (checkpoint and resharded restore), whichever slots move (the others stay in place).
 Pure: the cluster simulator (``benchmarks/placement.py``) runs it in its loop, and so does
-a run's launcher (``launch/adaptive.py``, ``placement.adaptive``), which carries out the
+a run's launcher (``launch/placement/adapter.py``, ``placement.adaptive``), which carries out the
 moves between generators, reward engines and trainer ranks (a new trainer group through a
 checkpoint it asks for, ``trainer_wait_steps``; ``keep_trainers``: the trainer ranks stay;
 ``world_sizes``: the group sizes its micro-batches split over).

@@ -20,7 +20,7 @@ ratio::
                         with max_staleness >= 1 the wait is only what generation failed to hide
 
 The first step is left out when there are more (it pays for warm-up: compilation, the
-first weight load). Pure: it takes parsed rows and dicts; ``launch.plan`` reads the files.
+first weight load). Pure: it takes parsed rows and dicts; ``launch.placement.inputs`` reads the files.
 ``calibrate`` is the entry point run-time re-planning will feed each step's times into.
 """
 

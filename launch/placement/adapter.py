@@ -1,0 +1,231 @@
+"""Re-planning inside a run (``placement.adaptive``): the launcher's side of
+``yatt.placement.adaptive``.
+
+After each step (a new line of ``metrics.jsonl``) the launcher asks every generator and
+reward worker for its busy time (``Query("stats")``: ``generator/generate_s``,
+``reward/busy_s``), takes the step's share, adds the trainer's times, lengths and
+acceptance from the metrics line, and hands the ``StepTimes`` to a ``Replanner`` seeded
+with the planner's own estimates for the run. Every decision is a line of
+``<run_dir>/placement.jsonl`` (its reason, predicted step times, gain, switch cost; its
+scalars also in TensorBoard, as the run ``tensorboard/placement``, with each change's
+reason as text; not in wandb, which takes one writer per run, rank 0; the
+first ``placement.adaptive_warmup`` steps of a run and after each change are written, not
+re-planned on: ``Adapter.settle``); when the plan changes, the launcher carries it out in
+place (``LocalLauncher``):
+
+    keep_places(old, new)    staying processes keep their slots; the moved ones are named
+    stop the leaving ones    SIGTERM; the registry drops them, the controllers re-issue
+                             their in-flight requests (nothing lost: the ledger decides)
+    write plan.json          the joining processes read their slots from it
+    start the joining ones   they register and the controllers' pools grow
+
+A partial plan's generators time-share their slots with training, so a change parks them
+instead (``parks``): a leaving generator deregisters (its in-flight requests are re-issued
+the same way) and sleeps, its process and engine kept (on GPU vLLM's sleep mode frees its
+memory for training); a later change that gives the same slots back to that generator
+index wakes it (``Query("unpark")``: it registers again and trainer rank 0's push of the
+current weights wakes the engine) instead of starting a process and loading a model.
+
+A move of the trainer's slots (a new world size) goes through a checkpoint: the launcher
+asks the trainer group for one (``yatt.rl.checkpoints``; with or without
+``trainer.checkpoint_every``), written at the end of the step under way, and waits for
+the first complete checkpoint after the step it was decided after; then it stops the
+leaving engines, kills the trainer ranks, rewinds the buffer to the checkpoint with the
+new world size (it splits the micro-batches for it), and starts the new group from the
+checkpoint (DCP reshards the weights and optimizer state on load) as a new incarnation;
+the step under way when the ranks die is trained again; only the steps after that
+checkpoint count towards paying for the move (``Replanner(trainer_wait_steps=1)``). A
+layout change between disaggregated and colocated (``RUN_LAYOUTS``) is the same regroup:
+the new ranks host engines or not as ``plan.json`` says, and the generator processes of
+the old plan stop or those of the new one start (a partial plan moves slots within the
+partial layout; the simulator also switches to and from it). The
+switch costs are this run's own: its start to READY (every role: an upper bound for one
+joining process, and for a new trainer group), and about a second to stop one
+(``LocalLauncher.make_adapter``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from launch.config import RunConfig
+from launch.placement.inputs import run_costs, run_sizes, run_workload
+from protocols.messages import Metrics, Query
+from yatt.errors import ConfigError, YattError
+from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
+from yatt.placement.plan import Assignment, ClusterSpec, Layout, Plan
+from yatt.rl.config import BufferConfig
+from yatt.rl.sampling import check_world_size
+from yatt.runtime.registry import Directory
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+DECISIONS_FILE = "placement.jsonl"
+RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
+"""The layouts a run switches between (``placement.adaptive_layouts``); a partial run moves
+slots within its layout."""
+BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
+"""The cumulative busy seconds each pool's workers report in their stats."""
+
+
+def keep_places(old: Plan, new: Plan) -> Plan:
+    """``new`` with its generators and reward workers renumbered so that as many processes as
+    possible keep their index and slots: an index whose slots are still in its role's pool
+    keeps them; the others take what is left, in order."""
+    assignments: list[Assignment] = [a for a in new.assignments if a.role not in BUSY_KEYS]
+    for role in BUSY_KEYS:
+        before = {a.index: a.slots for a in old.of(role)}
+        free = list(new.of(role))
+        count = len(free)
+        kept: dict[int, Assignment] = {}
+        for index in range(count):
+            same = next((a for a in free if a.slots == before.get(index)), None)
+            if same is not None:
+                kept[index] = same
+                free.remove(same)
+        for index in range(count):
+            if index not in kept:
+                kept[index] = free.pop(0)
+        assignments += [replace(kept[i], index=i) for i in sorted(kept)]
+    return replace(new, assignments=tuple(assignments))
+
+
+def moved(old: Plan, new: Plan) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The processes a change stops and the ones it starts: (role, index) of each, for the
+    generators and reward workers whose slots differ (or that exist on one side only)."""
+    stop: list[tuple[str, int]] = []
+    start: list[tuple[str, int]] = []
+    for role in BUSY_KEYS:
+        a = {x.index: x.slots for x in old.of(role)}
+        b = {x.index: x.slots for x in new.of(role)}
+        stop += [(role, i) for i in sorted(a) if b.get(i) != a[i]]
+        start += [(role, i) for i in sorted(b) if a.get(i) != b[i]]
+    return stop, start
+
+
+def parks(old: Plan, new: Plan, role: str) -> bool:
+    """Whether a change from ``old`` to ``new`` parks (and wakes) the ``role`` processes it
+    moves rather than stopping (and starting) them: the generators of a partial plan."""
+    return role == "generator" and old.layout == new.layout == "partial"
+
+
+def splits_over(config: BufferConfig, world_size: int) -> bool:
+    """Whether the buffer's micro-batch waves split evenly over ``world_size`` ranks."""
+    try:
+        check_world_size(config, world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+class Adapter:
+    """The run's replanner, fed from the roles' stats and the metrics lines."""
+
+    def __init__(self, cfg: RunConfig, plan: Plan, cluster: ClusterSpec, run_dir: Path, *, switch: SwitchCosts) -> None:
+        kind = cluster.slots[0].kind
+        self.cfg = cfg
+        self.path = run_dir / DECISIONS_FILE
+        self.replanner = Replanner(
+            plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
+            workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
+            patience=cfg.placement.adaptive_patience,
+            layouts=RUN_LAYOUTS if cfg.placement.adaptive_layouts and plan.layout in RUN_LAYOUTS else (plan.layout,),
+            world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),
+            trainer_wait_steps=1,  # a trainer move waits for the checkpoint it asks for: the step under way
+        )  # fmt: skip
+        self.warm_until = 0
+        """The first step re-planned on (``settle``)."""
+        self._tensorboard = run_dir / "tensorboard" / "placement" if "tensorboard" in cfg.run.report_to else None
+        self._writer: SummaryWriter | None = None
+        self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
+        self.busy_workers = {role: 0 for role in BUSY_KEYS}
+        """Workers of each pool busy in the last measured step."""
+
+    async def busy(self, directory: Directory, role: str, timeout: float) -> tuple[float | None, int]:
+        """The pool's busy seconds since the last call: the mean over its live workers of
+        each one's growth (a worker seen for the first time counts from its start; None when
+        no worker answered), and how many of them were busy."""
+        grown = []
+        for member in directory.members(role):
+            try:
+                reply = await directory.client(member.actor_id).request(Query(what="stats"), Metrics, timeout=timeout)
+            except (YattError, KeyError):
+                continue  # leaving, gone or busy past the limit: the next step measures the pool
+            total = reply.values.get(BUSY_KEYS[role])
+            if total is None:
+                continue
+            grown.append(max(0.0, total - self._busy.get(member.actor_id, 0.0)))
+            self._busy[member.actor_id] = total
+        return (sum(grown) / len(grown) if grown else None), sum(g > 0 for g in grown)
+
+    async def measure(self, directory: Directory, line: dict[str, float]) -> StepTimes | None:
+        """One step's ``StepTimes`` from its metrics line and the pools' busy time."""
+        timeout = self.cfg.transport.request_timeout_s
+        generate, self.busy_workers["generator"] = await self.busy(directory, "generator", timeout)
+        reward, self.busy_workers["reward"] = await self.busy(directory, "reward", timeout)
+        if generate is None or "time/train_s" not in line:
+            return None
+        mean = line.get("response_length/mean") or line.get("tokens_per_s", 0.0) / max(line.get("samples_per_s", 0.0), 1e-9)
+        acceptance = line.get("buffer/acceptance_ema", 1.0)
+        return StepTimes(
+            generate_s=generate, tail_s=0.0, reward_s=reward or 0.0, train_s=line["time/train_s"],
+            weight_sync_s=line.get("time/weight_sync_s", 0.0), switch_s=line.get("time/switch_s", 0.0),
+            completion_mean=max(1.0, mean), completion_p90=max(1.0, line.get("response_length/max", mean)),
+            acceptance=min(1.0, acceptance) if 0 < acceptance and math.isfinite(acceptance) else 1.0,
+        )  # fmt: skip
+
+    def settle(self, step: int) -> None:
+        """``step`` is the first of a run, of a resumed one, or the first after a change:
+        it and the next ``placement.adaptive_warmup - 1`` are measured, not re-planned on."""
+        self.warm_until = step + self.cfg.placement.adaptive_warmup
+
+    def warming(self, step: int, times: StepTimes) -> bool:
+        """Whether ``step`` is a warm-up step; if so its record is written."""
+        if step >= self.warm_until:
+            return False
+        self.wait(step, times, f"warm-up (placement.adaptive_warmup={self.cfg.placement.adaptive_warmup}): measured, not re-planned on")
+        return True
+
+    def wait(self, step: int, times: StepTimes, reason: str) -> None:
+        """A step measured while a change waits to be carried out: written, not re-planned on."""
+        record: dict[str, Any] = {"step": step, "reason": reason, "placement/streak": 0.0, "placement/changed": 0.0}
+        self._write(record, times)
+
+    def decide(self, step: int, times: StepTimes) -> Decision:
+        """The replanner's decision after ``step``, written to ``placement.jsonl``."""
+        decision = self.replanner.observe(step, times, steps_left=self.cfg.run.steps - step - 1)
+        record: dict[str, Any] = {"step": step, "reason": decision.reason, **decision.metrics()}
+        if decision.changed:
+            record["plan"] = decision.plan.to_json()
+        self._write(record, times)
+        return decision
+
+    def _write(self, record: dict[str, Any], times: StepTimes) -> None:
+        record["measured/generate_s"], record["measured/reward_s"] = times.generate_s, times.reward_s
+        record["measured/train_s"] = times.train_s
+        record.update({f"measured/{role}_busy_workers": n for role, n in self.busy_workers.items()})
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            if self._writer is None:
+                from torch.utils.tensorboard import SummaryWriter as Writer
+
+                self._writer = Writer(str(self._tensorboard))
+            step = int(record["step"])
+            for key, value in record.items():
+                if isinstance(value, float | int) and key != "step":
+                    self._writer.add_scalar(key, value, step)
+            if record.get("placement/changed"):
+                self._writer.add_text("placement/change", record["reason"], step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Close the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

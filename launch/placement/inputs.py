@@ -1,0 +1,312 @@
+"""``python -m launch plan [CONFIG.yaml] [dotted.key=value ...] [--from RUN_DIR]``: the three
+placement candidates of a run on this machine, with their predicted step time, idle share
+and memory per slot, and the one the planner picks.
+
+The planner (``yatt.placement.planner``) is pure; this module gathers its inputs from the
+world: this machine's slots and memory, the bf16 (or float32) matmul peak of one slot, the
+model's sizes from its config.json (no weights are loaded), and measured costs from a run's
+``metrics.jsonl``. The launcher calls ``plan_for_run`` for ``placement.layout`` (``auto``
+runs the planner; an explicit layout is placed and predicted) and may reuse
+``measure_peak_flops`` and ``this_machine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from launch.config import RunConfig, load_run_config, split_items
+from launch.placement.plan_file import roles_of
+from yatt.errors import ConfigError
+from yatt.placement.costs import calibrate, estimate_costs, hf_param_count, model_sizes
+from yatt.placement.layouts import cpu_cluster, gpu_cluster, slot_share
+from yatt.placement.plan import ClusterSpec, Plan
+from yatt.placement.planner import (
+    GIB,
+    Candidate,
+    ModelSizes,
+    StageCosts,
+    Workload,
+    best,
+    candidates,
+    choose,
+    describe,
+    finish,
+)
+
+TINY_CONFIG: dict[str, object] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "head_dim": 32, "intermediate_size": 128, "vocab_size": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+"""The shape of the tiny default model (``workers.models.build_tiny_model``'s defaults)."""
+
+SMOLLM2_CONFIG: dict[str, object] = {
+    "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+}  # fmt: skip
+"""The shape of SmolLM2-135M-Instruct (``builtin:smollm2``), used before it is exported."""
+
+BUILTIN_TINY = "builtin:tiny"
+"""A reward_model or judge scorer's model_path for a tiny untrained model built in the run dir."""
+
+FILTERED_ACCEPTANCE = 0.5
+"""Acceptance rate assumed for a filtering buffer until a run measures it."""
+
+
+def measure_peak_flops(*, device: str = "cpu", dtype: str = "bfloat16", threads: int = 1,
+                       size: int | None = None, seconds: float = 0.3) -> float:
+    """FLOP/s of a ``size`` x ``size`` matmul in ``dtype`` on ``device`` (``threads`` CPU
+    threads), repeated for about ``seconds`` after one warm-up. ``size`` None: 1024 on a CPU,
+    8192 on a GPU, where a smaller product measures its launch and synchronisation (an H200:
+    74-79 TFLOP/s in bf16 at 1024, 642-649 at 8192)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    size = size or (8192 if cuda else 1024)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        dt = getattr(torch, dtype)
+        a = torch.randn(size, size, device=device).to(dt)
+        b = torch.randn(size, size, device=device).to(dt)
+        a @ b
+        if cuda:
+            torch.cuda.synchronize(device)
+        count, start = 0, time.perf_counter()
+        while True:
+            a @ b
+            count += 1
+            if cuda:
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                return 2.0 * size**3 * count / elapsed
+    finally:
+        torch.set_num_threads(previous)
+
+
+def compute_dtype(dtype: str, kind: str) -> str:
+    """The dtype ``model.dtype`` computes in on slots of ``kind``, as the trainer and engines
+    resolve it (``workers.engines.base.resolve_dtype``)."""
+    import torch
+
+    from workers.engines.base import resolve_dtype
+
+    return str(resolve_dtype(dtype, torch.device("cuda" if kind == "gpu" else "cpu"))).removeprefix("torch.")
+
+
+def machine_memory() -> int:
+    """This machine's memory: MemTotal of /proc/meminfo, else the page count."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def this_machine(*, peak_flops: float | None = None, dtype: str = "auto", cpu_slots: int = 0) -> ClusterSpec:
+    """The slots of this machine: one per GPU when torch sees any, else one per core of this
+    process's affinity (or ``cpu_slots`` sharing them, placement.cpu_slots); ``peak_flops``
+    None measures one slot's in ``dtype`` (model.dtype)."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if torch.cuda.is_available():
+        memory = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        cluster = gpu_cluster(memory, cores)
+    else:
+        cluster = cpu_cluster(cores, machine_memory(), slots=cpu_slots)
+    return with_peak(cluster, dtype) if peak_flops is None else replace(cluster, peak_flops=peak_flops)
+
+
+def with_peak(cluster: ClusterSpec, dtype: str = "auto") -> ClusterSpec:
+    """``cluster`` with one slot's matmul peak measured (in ``dtype`` resolved for its kind)."""
+    slot = cluster.slots[0]
+    dt = compute_dtype(dtype, slot.kind)
+    if slot.kind == "gpu":
+        return replace(cluster, peak_flops=measure_peak_flops(device=slot.device, dtype=dt))
+    peak = measure_peak_flops(dtype=dt, threads=max(1, len(slot.cores)))
+    return replace(cluster, peak_flops=peak * slot_share(cluster))
+
+
+def _read_config_json(path: str, what: str) -> dict[str, Any]:
+    file = Path(path) / "config.json"
+    try:
+        loaded = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} {path!r}: cannot read its config.json ({e}); give a Hugging Face model directory") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {path!r}: config.json must hold an object")
+    return loaded
+
+
+def model_config(cfg: RunConfig) -> dict[str, Any]:
+    """The policy's config.json as a dict, without building or loading the model."""
+    if cfg.model.path == "":
+        return dict(TINY_CONFIG)
+    if cfg.model.path == "builtin:smollm2":
+        exported = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
+        return _read_config_json(str(exported), "model.path") if (exported / "config.json").exists() else dict(SMOLLM2_CONFIG)
+    return _read_config_json(cfg.model.path, "model.path")
+
+
+def run_sizes(cfg: RunConfig, kind: str) -> ModelSizes:
+    """What the run's models weigh: the policy, a reference when the KL term is on, a critic
+    for GAE, and a reward model or judge when a scorer runs one."""
+    dtype = compute_dtype(cfg.model.dtype, kind)
+    reward_params = sum(
+        hf_param_count(TINY_CONFIG if s.model_path == BUILTIN_TINY else _read_config_json(s.model_path, f"reward.scorers[{i}].model_path"))
+        for i, s in enumerate(cfg.reward.scorers) if s.kind in ("reward_model", "judge")
+    )
+    return model_sizes(
+        model_config(cfg),
+        weight_bytes=4 if dtype == "float32" else 2,
+        reference=cfg.algorithm.kl_coef > 0,
+        critic=cfg.algorithm.advantage == "gae",
+        reward_params=reward_params,
+        activation_checkpointing=cfg.trainer.activation_checkpointing,
+    )
+
+
+def run_workload(cfg: RunConfig, kind: str) -> Workload:
+    """One step of the run on slots of ``kind``, from its buffer, controller and generator configs."""
+    vllm_gpu = cfg.generator.backend == "vllm" and kind == "gpu"
+    return Workload(
+        groups_per_step=cfg.buffer.groups_per_step,
+        group_size=cfg.buffer.group_size,
+        max_staleness=cfg.buffer.max_staleness,
+        max_new_tokens=cfg.controller.max_new_tokens,
+        micro_batches_per_step=cfg.buffer.micro_batches_per_step,
+        max_batch_sequences=cfg.generator.max_batch_prompts * cfg.buffer.group_size,
+        engine_reserve_share=cfg.generator.vllm_gpu_memory_utilization if vllm_gpu else 0.0,
+    )
+
+
+def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None) -> StageCosts:
+    """The run's stage costs: estimated from FLOPs at the cluster's peak, then calibrated by
+    the metrics of the run in ``measured`` (a run dir) when given."""
+    kind = cluster.slots[0].kind
+    sizes = run_sizes(cfg, kind)
+    acceptance = FILTERED_ACCEPTANCE if cfg.buffer.filter != "none" or cfg.buffer.custom_filter else 1.0
+    costs = estimate_costs(sizes=sizes, workload=run_workload(cfg, kind), kind=kind, peak_flops=cluster.peak_flops,
+                           acceptance=acceptance)
+    if measured is None:
+        return costs
+    metrics, config = measured / "metrics.jsonl", measured / "config.yaml"
+    if not metrics.is_file() or not config.is_file():
+        raise ConfigError(f"--from {measured}: not a run dir (it needs metrics.jsonl and config.yaml)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    try:
+        past = load_run_config(config)
+    except ConfigError as e:
+        raise ConfigError(f"--from {measured}: its config.yaml does not load in this version of yatt ({e})") from None
+    gen_slots, train_slots = _measured_slots(measured, past, len(cluster.slots))
+    return calibrate(rows, costs, run_workload(past, kind), gen_slots=gen_slots, train_slots=train_slots)
+
+
+def _measured_slots(run_dir: Path, past: RunConfig, n: int) -> tuple[int, int]:
+    """Slots the generators and the trainer ranks of a past run computed on: from its
+    ``plan.json`` when it has one, else (a run without a plan) their threads on ``n`` cores."""
+    path = run_dir / "plan.json"
+    if path.is_file():
+        assignments = json.loads(path.read_text())["assignments"]
+        trainers = [a for a in assignments if a["role"] == "trainer"]
+        generators = [a for a in trainers if a["hosts_generator"]] or [a for a in assignments if a["role"] == "generator"]
+
+        def slots(group: list[dict[str, Any]]) -> int:
+            return n if any(not a["slots"] for a in group) else len({s for a in group for s in a["slots"]})
+
+        return slots(generators), slots(trainers)
+    gens, ranks = past.run.num_generators, past.trainer.world_size
+    return (min(n, gens * (past.generator.threads or max(1, n // gens))),
+            min(n, ranks * (past.trainer.threads or max(1, n // ranks))))
+
+
+def plan_for_run(
+    cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts | None = None, layout: str | None = None
+) -> Plan:
+    """The run's plan for ``layout`` (None: the config's placement.layout, auto when it has
+    none): ``auto`` picks the layout with the lowest predicted step time; an explicit layout is
+    placed with the config's role counts and predicted. ``costs`` None: estimated from FLOPs
+    (measuring the cluster's peak if it has none). Raises ``ConfigError`` when the layout
+    cannot be placed or does not fit in memory."""
+    if costs is None:
+        if cluster.peak_flops <= 0:
+            cluster = with_peak(cluster, cfg.model.dtype)
+        costs = run_costs(cfg, cluster)
+    if layout is None:
+        layout = str(getattr(getattr(cfg, "placement", None), "layout", "auto"))
+    kind = cluster.slots[0].kind
+    sizes, workload, roles = run_sizes(cfg, kind), run_workload(cfg, kind), roles_of(cfg)
+    if layout == "auto":
+        return choose(cluster, sizes, costs, workload, roles)
+    for c in candidates(cluster, sizes, costs, workload, roles):
+        if c.layout == layout:
+            if c.refused:
+                raise ConfigError(f"placement.layout={layout}: {c.refused}; choose another layout or auto")
+            return finish(c)
+    raise ConfigError(f"placement.layout must be auto, colocated, partial or disaggregated (got {layout!r})")
+
+
+def _per_slot(values: dict[int, float], fmt: str) -> str:
+    """Values by slot, all of them for a few slots, else min/mean/max."""
+    if len(values) <= 8:
+        return " ".join(format(v, fmt) for v in values.values())
+    v = list(values.values())
+    return f"min {min(v):{fmt}} mean {sum(v) / len(v):{fmt}} max {max(v):{fmt}}"
+
+
+def table(cands: list[Candidate]) -> str:
+    """The candidates as a text table, and the pick."""
+    lines = []
+    for c in cands:
+        p = c.prediction
+        head = f"{c.layout:<14}"
+        if p is None:
+            lines.append(f"{head} refused: {c.refused}")
+            continue
+        counts = c.plan.counts() if c.plan is not None else {}
+        lines.append(f"{head} {p.step_s:8.3f} s/step   {describe(p)}")
+        lines.append(f"{'':14} processes  {' '.join(f'{r} {k}' for r, k in counts.items() if k)}")
+        lines.append(f"{'':14} idle share per slot  {_per_slot(p.idle_share, '.2f')}")
+        lines.append(f"{'':14} memory GiB per slot  {_per_slot({s: m / GIB for s, m in p.memory_bytes.items()}, '.3f')}")
+        if c.refused:
+            lines.append(f"{'':14} refused: {c.refused}")
+    pick = best(cands)
+    lines.append(f"pick: {finish(pick).reason}" if pick else "pick: none fits (see the refusals)")
+    return "\n".join(lines)
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    config_path, overrides = split_items(args.items)
+    cfg = load_run_config(config_path, overrides)
+    cluster = this_machine(peak_flops=args.peak_flops, dtype=cfg.model.dtype, cpu_slots=cfg.placement.cpu_slots)
+    kind = cluster.slots[0].kind
+    costs = run_costs(cfg, cluster, args.measured)
+    sizes, workload = run_sizes(cfg, kind), run_workload(cfg, kind)
+    cands = candidates(cluster, sizes, costs, workload, roles_of(cfg), search=args.search)
+    print(f"cluster: {len(cluster.slots)} {kind} slots of {cluster.slots[0].memory_bytes / GIB:.2f} GiB, "
+          f"peak {cluster.peak_flops / 1e9:.1f} GFLOP/s per slot")
+    print(f"model: {sizes.policy_params / 1e6:.3g}M parameters; costs {'measured in ' + str(args.measured) if args.measured else 'estimated from FLOPs'}")
+    print(table(cands))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``plan`` subcommand of ``python -m launch``."""
+    p = sub.add_parser("plan", help="print the three placement candidates of a run on this machine and the pick")
+    p.add_argument("items", nargs="*", metavar="CONFIG.yaml | dotted.key=value")
+    p.add_argument("--from", dest="measured", type=Path, default=None,
+                   help="a run dir whose metrics.jsonl calibrates the costs (default: estimated from FLOPs)")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="FLOP/s of one slot (default: measured with a matmul for 0.3 s)")
+    p.add_argument("--search", action="store_true",
+                   help="let the planner choose how many generators and trainer ranks (default: the config's)")
+    p.set_defaults(main=plan_main)

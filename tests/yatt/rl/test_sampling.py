@@ -1,0 +1,531 @@
+"""The buffer's decisions: in-order assembly, filtering, over-sampling, staleness,
+exactly-once, balanced micro-batches, and a replay of the ledger that continues identically."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+import random
+import sqlite3
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocols.messages import GroupKey, ScoredGroup
+from yatt.errors import ConfigError
+from yatt.rl.config import BufferConfig
+from yatt.rl.ledger import Ledger
+from yatt.rl.sampling import SamplingBuffer, epoch_order, step_report
+
+N_PROMPTS = 12
+
+
+def make_group(key: GroupKey, version: int, *, n: int = 2, equal: bool | None = None) -> ScoredGroup:
+    """A deterministic group: prompt length and rewards follow from the prompt index."""
+    if equal is None:
+        equal = key.prompt_index % 3 == 0  # every third prompt is filtered (all rewards equal)
+    rewards = torch.ones(n) if equal else torch.tensor([1.0] + [0.0] * (n - 1))
+    p = 2 + key.prompt_index % 3
+    lengths = [1 + (key.prompt_index + i) % 4 for i in range(n)]
+    return ScoredGroup(
+        group_key=key,
+        prompt_ids=torch.full((p,), 7, dtype=torch.int32),
+        completion_ids=[torch.arange(1, L + 1, dtype=torch.int32) for L in lengths],
+        rollout_logprobs=[-torch.arange(1, L + 1, dtype=torch.float32) / 10 for L in lengths],
+        rewards=rewards,
+        advantages=rewards - rewards.mean(),
+        policy_versions=torch.full((n,), version, dtype=torch.int64),
+        finish_reasons=["stop"] * n,
+    )
+
+
+def make_buffer(tmp_path: Path, name: str = "ledger.db", **overrides: object) -> SamplingBuffer:
+    config = BufferConfig(**{"groups_per_step": 4, "group_size": 2, "micro_batches_per_step": 2, **overrides})  # type: ignore[arg-type]
+    return SamplingBuffer(config, num_prompts=N_PROMPTS, num_shards=2, world_size=2, seed=3, ledger=Ledger(tmp_path / name))
+
+
+def drive(buf: SamplingBuffer, steps: int, rng: random.Random | None) -> list[list[str]]:
+    """Play controllers + trainer: generate every planned group (in a shuffled arrival
+    order if ``rng``), train each step once all its micro-batches exist. Returns each
+    step's sample keys."""
+    trained: list[list[str]] = []
+    while len(trained) < steps:
+        step = buf.step if not buf.ready else min(s for s, _ in buf.ready)
+        waves = [buf.ready.get((step, i)) for i in range(buf.config.micro_batches_per_step)]
+        if all(w is not None for w in waves):
+            keys = [k.as_str() for w in waves for mb in w or [] for k in mb.group_keys]
+            trained.append(keys)
+            for i in range(buf.config.micro_batches_per_step):
+                buf.release(step, i)
+            buf.publish_version(step + 1)
+            continue
+        planned = [k for shard in range(buf.num_shards) for k in buf.plan(shard)]
+        assert planned, "the buffer must ask for work while a step is incomplete"
+        if rng is not None:
+            rng.shuffle(planned)
+        for key in planned:
+            buf.offer(make_group(key, max(buf.min_policy_version, buf.version)))
+    return trained
+
+
+def prompts(steps: list[list[str]]) -> list[list[str]]:
+    """Each step's sample keys without the attempt (a redone group has a new one)."""
+    return [[key.rsplit("/", 1)[0] for key in step] for step in steps]
+
+
+def test_epoch_order_is_seeded() -> None:
+    assert epoch_order(10, 1, 0) == epoch_order(10, 1, 0)
+    assert epoch_order(10, 1, 0) != epoch_order(10, 1, 1)
+    assert sorted(epoch_order(10, 1, 5)) == list(range(10))
+
+
+def test_steps_do_not_depend_on_arrival_order(tmp_path: Path) -> None:
+    in_order = drive(make_buffer(tmp_path, "a.db"), 6, None)
+    shuffled = drive(make_buffer(tmp_path, "b.db"), 6, random.Random(0))
+    assert in_order == shuffled
+    # Each step trains groups_per_step groups of group_size samples.
+    assert all(len(keys) == 8 for keys in in_order)
+
+
+def test_filter_and_ledger_exactly_once(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    drive(buf, 5, random.Random(1))
+    accepted = [e.key for e in buf.ledger.entries("accepted")]
+    assert len(accepted) == len(set(accepted)), "a key was accepted twice"
+    filtered = buf.ledger.entries("filtered")
+    assert filtered and all(e.reason == "all rewards equal" and e.key.prompt_index % 3 == 0 for e in filtered)
+    trained = buf.ledger.entries("trained")
+    assert {e.key for e in trained} <= set(accepted)
+    assert [e.step for e in trained] == sorted(e.step or 0 for e in trained)
+    # Every prompt of the first epoch was decided: trained, filtered, or superseded and redone.
+    first_epoch = {e.key.prompt_index for e in buf.ledger.entries() if e.key.epoch == 0 and e.status in ("trained", "filtered")}
+    assert first_epoch == set(range(N_PROMPTS))
+
+
+def test_duplicates_and_superseded_arrivals_are_dropped(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path)
+    key = buf.plan(0)[0]
+    assert buf.offer(make_group(key, 0)) in ("accepted", "filtered: all rewards equal")
+    assert buf.offer(make_group(key, 0)) == "duplicate"
+    other = buf.plan(1)[0]
+    old_attempt = GroupKey(epoch=other.epoch, shard=other.shard, prompt_index=other.prompt_index, attempt=5)
+    assert buf.offer(make_group(old_attempt, 0)) == "superseded"
+    assert [e.status for e in buf.ledger.entries()][-2:] == ["duplicate", "superseded"]
+    assert buf.stats.duplicates == 1 and buf.stats.superseded == 1
+
+
+def test_a_long_run_keeps_the_orders_of_few_epochs_and_still_knows_old_keys(tmp_path: Path) -> None:
+    """12 prompts, 4 groups a step: 30 steps go through 10+ epochs; the buffer keeps the
+    orders of the last ones only, and a late copy of a first-epoch group is still a duplicate."""
+    buf = make_buffer(tmp_path)
+    first = buf.plan(0)[0]
+    buf.offer(make_group(first, 0))
+    drive(buf, 30, None)
+    assert buf.cursor // N_PROMPTS >= 10
+    assert len(buf._orders) <= 3 and len(buf._positions) <= 3, sorted(buf._orders)
+    assert buf.offer(make_group(first, 0)) == "duplicate"
+    assert buf.stats.duplicates == 1
+
+
+def test_on_policy_closes_the_window_and_supersedes_extras(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, filter="none")
+    keys = [k for s in (0, 1) for k in buf.plan(s)]
+    assert len(keys) == 4  # acceptance 1: exactly one step's worth, nothing more
+    for k in keys:
+        buf.offer(make_group(k, 0))
+    assert buf.step == 1 and buf.plan(0) == [] and buf.plan(1) == []  # waits for version 1
+    buf.publish_version(1)
+    assert len([k for s in (0, 1) for k in buf.plan(s)]) == 4
+
+
+def test_oversampling_follows_acceptance(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_oversample=3.0)
+    # Reject everything in order: the EMA falls and the window widens, up to the cap.
+    for _ in range(3):
+        for k in [k for s in (0, 1) for k in buf.plan(s)]:
+            buf.offer(make_group(k, 0, equal=True))
+    assert buf.ema < 0.5
+    assert buf.dispatch_end - buf.cursor == 12  # ceil(4 needed * min(3, 1/ema))
+
+
+def test_staleness_bound_drops_and_redispatches(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_staleness=1, filter="none")
+    buf.publish_version(2)
+    buf.step = 2  # the trainer is at step 2 (as after a resume)
+    key = buf.key_at(buf.cursor)
+    assert buf.offer(make_group(key, 0)) == "accepted"  # accepted on arrival, but 2 - 0 > 1
+    assert [e.key for e in buf.ledger.entries("stale")] == [key]
+    assert buf.stats.stale_dropped == 1
+    assert buf.key_at(buf.cursor).attempt == 1 and buf.plan(key.shard)[0] == buf.key_at(buf.cursor)
+    for k in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(k, 1))
+    assert buf.ready
+    for (step, _), batches in buf.ready.items():
+        for mb in batches:
+            assert all(step - int(v) <= 1 for v in mb.policy_versions)
+
+
+def test_micro_batches_are_balanced_and_aligned(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, filter="none")
+    for k in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(k, 0))
+    a, b = buf.ready[(0, 0)]
+    assert a.input_ids.shape[0] == b.input_ids.shape[0] == 2  # same count per rank
+    assert (a.index, a.count, a.rank, b.rank) == (0, 2, 0, 1)
+    for mb in (a, b):
+        for row in range(mb.input_ids.shape[0]):
+            mask = mb.loss_mask[row]
+            completion = mb.input_ids[row][mask]
+            assert torch.equal(completion, torch.arange(1, len(completion) + 1))
+            assert torch.allclose(mb.rollout_logprobs[row][mask], -completion.float() / 10)
+            assert not (mb.loss_mask[row] & ~mb.attention_mask[row]).any()
+    tokens = [int(mb.attention_mask.sum()) for mb in (a, b)]
+    assert abs(tokens[0] - tokens[1]) <= 4
+
+
+STATE = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "attempts", "stats", "version_ceiling")
+
+
+def state(buf: SamplingBuffer) -> dict[str, object]:
+    """What the buffer decided so far (the plan number aside: it restarts from a random base)."""
+    values: dict[str, object] = {name: copy.deepcopy(getattr(buf, name)) for name in STATE}
+    values["decided"] = {g: (group.group_key, accepted) for g, (group, accepted) in buf.decided.items()}
+    values["wave"] = [group.group_key for group in buf.wave]
+    values["ready"] = {k: [mb.group_keys for mb in v] for k, v in buf.ready.items()}
+    return values
+
+
+def test_replay_rebuilds_the_state_and_continues_identically(tmp_path: Path) -> None:
+    reference = drive(make_buffer(tmp_path, "ref.db"), 6, None)
+    buf = make_buffer(tmp_path, "run.db")
+    first = drive(buf, 3, random.Random(1))
+    planned = [k for s in (0, 1) for k in buf.plan(s)]
+    buf.offer(make_group(planned[0], buf.version))  # a decision past the last step
+    buf.offer(make_group(planned[0], buf.version))  # and a duplicate of it
+    buf.ledger.commit()
+    restarted = make_buffer(tmp_path, "run.db")  # a new process on the same ledger
+    assert restarted.replay() > 0
+    assert state(restarted) == state(buf)
+    assert first + drive(restarted, 3, random.Random(2)) == reference
+    assert len(restarted.ledger.entries("trained")) == 6 * 4
+
+
+def test_replay_rebuilds_whole_the_groups_the_buffer_goes_on_with(tmp_path: Path) -> None:
+    """Replay decodes a stored group only as far as its decisions look (key, versions,
+    rewards); the micro-batches of a step not trained yet, its step report, the wave being
+    filled and the groups beyond the cursor come back whole."""
+    buf = make_buffer(tmp_path, "run.db", groups_per_step=8)
+    drive(buf, 2, None)
+    for _ in range(100):  # until step 2's first wave is assembled and its second begun
+        if (2, 0) in buf.ready and buf.wave:
+            break
+        buf.offer(make_group([k for s in (0, 1) for k in buf.plan(s)][0], buf.version))
+    buf.ledger.commit()
+    restarted = make_buffer(tmp_path, "run.db", groups_per_step=8)
+    restarted.replay()
+    assert state(restarted) == state(buf) and (2, 0) in restarted.ready
+    kept = [g for g, _ in restarted.decided.values()] + restarted.wave
+    kept += [g for groups in restarted.step_groups.values() for g, _ in groups]
+    assert restarted.wave and restarted.step_groups[2] and all(type(g) is ScoredGroup for g in kept), [type(g) for g in kept]
+    for k, batches in buf.ready.items():
+        for a, b in zip(batches, restarted.ready[k], strict=True):
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "rollout_logprobs", "advantages", "loss_mask"))
+
+
+def test_rewind_goes_back_to_the_mark_and_rolls_back_newer_groups(tmp_path: Path) -> None:
+    reference = drive(make_buffer(tmp_path, "ref.db"), 6, None)
+    buf = make_buffer(tmp_path, "run.db")
+    first = drive(buf, 3, random.Random(1))
+    mark, at_mark = buf.ledger.mark(), state(buf)
+    drive(buf, 2, random.Random(3))  # steps 3 and 4, then the trainer dies
+    buf.ledger.rewind(mark, "trainer restarted")
+    rewound = make_buffer(tmp_path, "run.db")
+    rewound.replay()
+    assert {**state(rewound), "version_ceiling": None} == at_mark and rewound.version_ceiling == 3
+    # A group made with the discarded weights of version 5 is redone, not trained.
+    key = [k for s in (0, 1) for k in rewound.plan(s)][0]
+    assert rewound.offer(make_group(key, 5)) == "rolled_back"
+    assert [k for s in (0, 1) for k in rewound.plan(s)][0] == GroupKey(**{**key.__dict__, "attempt": key.attempt + 1})
+    rewound.ledger.commit()
+    again = make_buffer(tmp_path, "run.db")  # a buffer restart after the rewind replays it too
+    again.replay()
+    assert state(again) == state(rewound)
+    assert prompts(first + drive(again, 3, random.Random(2))) == prompts(reference)
+    trained = Counter(e.key for e in again.ledger.entries("trained"))
+    assert len(trained) == 6 * 4 and max(trained.values()) == 1, "a rolled-back step counted"
+    voided = [e for e in again.ledger.history() if e.status == "trained" and e.step in (3, 4)]
+    assert len(voided) == 2 * 2 * 4, "the history keeps the rolled-back steps"
+    assert again.version_ceiling is None  # the new trainer published version 4
+
+
+@pytest.mark.parametrize("change", [{"filter": "none"}, {"group_size": 4}])
+def test_replay_refuses_a_changed_config(tmp_path: Path, change: dict[str, object]) -> None:
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 2, None)
+    buf.mark()  # a snapshot made under the old config is not used: every decision is checked
+    drive(buf, 1, None)
+    with pytest.raises(ConfigError, match="must not change across a restart"):
+        make_buffer(tmp_path, "run.db", **change).replay()
+
+
+def test_a_snapshot_made_under_another_custom_filter_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same ``module:function``, its code changed between two runs: the snapshot is
+    passed over and the whole replay finds the decisions that differ."""
+    module = tmp_path / "my_filter.py"
+    module.write_text("def keep(group):\n    return ''\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    buf = make_buffer(tmp_path, "run.db", custom_filter="my_filter:keep")
+    drive(buf, 2, None)
+    buf.mark()
+    module.write_text("def keep(group):\n    return 'too easy' if group.group_key.prompt_index % 2 else ''\n")
+    importlib.invalidate_caches()
+    monkeypatch.delitem(sys.modules, "my_filter")
+    with pytest.raises(ConfigError, match="must not change across a restart"):
+        make_buffer(tmp_path, "run.db", custom_filter="my_filter:keep").replay()
+
+
+def whole_state(buf: SamplingBuffer) -> dict[str, object]:
+    """``state`` and the rest a replay rebuilds: the steps not trained yet (their groups
+    with the decision, their micro-batches whole), why the groups beyond the cursor were
+    filtered, and the run of filtered groups."""
+    values = state(buf)
+    values["step_groups"] = {
+        step: [(g.group_key, accepted) for g, accepted in consumed] for step, consumed in buf.step_groups.items() if step >= buf.version
+    }
+    values["ready"] = {
+        k: [[mb.group_keys, mb.step, mb.index, mb.input_ids.tolist(), mb.advantages.tolist()] for mb in batches]
+        for k, batches in buf.ready.items()
+    }
+    values.update(reasons=dict(buf._reasons), filtered_run=list(buf.filtered_run), stalled=buf.stalled)
+    return values
+
+
+def mid_step(buf: SamplingBuffer) -> None:
+    """Stop inside a step: its first wave assembled, one group decided beyond the cursor
+    (arrived out of order), and a duplicate offered."""
+    while (buf.step, 0) not in buf.ready:
+        buf.offer(make_group([k for s in range(buf.num_shards) for k in buf.plan(s)][0], max(buf.min_policy_version, buf.version)))
+    planned = [k for s in range(buf.num_shards) for k in buf.plan(s)]
+    later = max(planned, key=buf.position)
+    for _ in range(2):
+        buf.offer(make_group(later, max(buf.min_policy_version, buf.version)))
+    assert buf.decided and buf.stats.duplicates
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_replay_starts_from_the_last_checkpoints_snapshot_and_continues_identically(tmp_path: Path, staleness: int) -> None:
+    """Each checkpoint's mark stores the state; a restart replays only the events after
+    the newest one and comes back to the same state, micro-batches, reports and counts,
+    mid-step, as the buffer that made them and as a replay of the whole ledger."""
+    reference = drive(make_buffer(tmp_path, "ref.db", max_staleness=staleness), 8, None)
+    buf = make_buffer(tmp_path, "run.db", max_staleness=staleness)
+    rng = random.Random(5)
+    first = drive(buf, 2, rng)
+    buf.mark()
+    first += drive(buf, 2, rng)
+    mid_step(buf)
+    buf.mark()  # mid-step: a wave assembled, a group beyond the cursor, the step's report so far
+    first += drive(buf, 1, rng)  # and after it
+    mid_step(buf)
+    buf.ledger.commit()
+    events = len(buf.ledger.events())
+    restarted = make_buffer(tmp_path, "run.db", max_staleness=staleness)
+    replayed = restarted.replay()
+    assert 0 < replayed < events / 4, f"replayed {replayed} of the ledger's {events} events"
+    assert whole_state(restarted) == whole_state(buf)
+    db = sqlite3.connect(tmp_path / "whole.db")  # the same ledger without its snapshots
+    buf.ledger._db.backup(db)
+    db.execute("DELETE FROM snapshots")
+    db.commit()
+    db.close()
+    whole = make_buffer(tmp_path, "whole.db", max_staleness=staleness)
+    assert whole.replay() == events
+    assert whole_state(whole) == whole_state(restarted)
+    assert prompts(first + drive(restarted, 3, random.Random(2))) == prompts(reference)  # (stale redos: new attempts)
+    trained = Counter(e.key for e in restarted.ledger.entries("trained") if (e.step or 0) < 8)  # (off-policy: step 8 begun)
+    assert len(trained) == 8 * 4 and max(trained.values()) == 1
+
+
+def test_a_rewind_starts_from_the_snapshot_at_its_mark_not_a_later_one(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 3, random.Random(1))
+    mid_step(buf)
+    mark, at_mark = buf.mark(), whole_state(buf)
+    drive(buf, 2, random.Random(3))
+    buf.mark()  # step 5's snapshot, which the rewind voids
+    drive(buf, 1, random.Random(3))
+    buf.ledger.rewind(mark, "trainer restarted")
+    rewound = make_buffer(tmp_path, "run.db")
+    assert rewound.replay() == 1  # the rewind row itself
+    assert {**whole_state(rewound), "version_ceiling": None} == at_mark and rewound.version_ceiling == 3
+    key = [k for s in (0, 1) for k in rewound.plan(s)][0]
+    assert rewound.offer(make_group(key, 5)) == "rolled_back"
+    drive(rewound, 1, random.Random(2))
+    rewound.ledger.commit()
+    again = make_buffer(tmp_path, "run.db")  # restarted after the rewind: the same snapshot, then the rest
+    again.replay()
+    assert whole_state(again) == whole_state(rewound)
+
+
+def test_bad_shapes_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not split evenly over 2 trainer ranks"):
+        make_buffer(tmp_path, groups_per_step=3, micro_batches_per_step=3, group_size=1)
+    with pytest.raises(ConfigError, match="micro_batches_per_step must be >= 1 and divide groups_per_step=4"):
+        BufferConfig(groups_per_step=4, micro_batches_per_step=3)
+
+
+def test_nothing_is_dispatched_or_assembled_past_the_last_step(tmp_path: Path) -> None:
+    config = BufferConfig(groups_per_step=4, group_size=2, micro_batches_per_step=2, filter="none")
+    buf = SamplingBuffer(config, num_prompts=N_PROMPTS, num_shards=2, world_size=2, seed=3, ledger=Ledger(tmp_path / "l.db"), total_steps=2)
+    drive(buf, 2, None)
+    buf.publish_version(2)
+    assert buf.step == 2 and [k for s in (0, 1) for k in buf.plan(s)] == []
+    assert {e.step for e in buf.ledger.entries("trained")} == {0, 1}
+
+
+def offer_planned(buf: SamplingBuffer, equal: bool) -> None:
+    for key in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(key, buf.version, equal=equal))
+
+
+def test_dynamic_sampling_that_accepts_nothing_stops_with_what_to_change(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, max_filtered_batches=2)  # 2 x 4 groups
+    for _ in range(20):
+        offer_planned(buf, equal=True)
+        if buf.stalled:
+            break
+    assert len(buf.filtered_run) >= 8 and buf.step == 0
+    assert "accepted none of the last 8 groups" in buf.stalled
+    assert "'all rewards equal': 8" in buf.stalled and "buffer.filter=none" in buf.stalled
+    assert buf.ema >= 1e-3  # the floor: one accepted group lifts it again
+    assert not buf.plan(0) or buf.dispatch_end - buf.cursor <= 4 * buf.config.max_oversample + 4
+
+
+def test_on_stall_train_trains_on_the_filtered_groups_until_one_is_accepted(tmp_path: Path) -> None:
+    buf = make_buffer(tmp_path, max_filtered_batches=1, on_stall="train")  # bound: 4 groups
+    while buf.step == 0:
+        offer_planned(buf, equal=True)
+    assert not buf.stalled and buf.stats.accepted == 0
+    trained = [k for mb in buf.ready[(0, 0)] + buf.ready[(0, 1)] for k in mb.group_keys]
+    assert len(set(trained)) == 4, "step 0 was not made of the filtered groups past the bound"
+    buf.publish_version(1)
+    offer_planned(buf, equal=False)
+    assert buf.filtered_run == [] and buf.stats.accepted > 0
+
+
+def test_step_report_by_hand() -> None:
+    """Two groups of one step, the filtered one first: hand-computed statistics, and the
+    rollout sample takes the trained group first."""
+    def group(index: int, rewards: list[float], digits: list[float], failures: list[str], lengths: list[int],
+              reasons: list[str]) -> ScoredGroup:
+        base = make_group(GroupKey(epoch=0, shard=0, prompt_index=index), 0)
+        return dataclasses.replace(
+            base, rewards=torch.tensor(rewards), scores={"digits": torch.tensor(digits)}, failures=failures,
+            completion_ids=[torch.ones(L, dtype=torch.int32) for L in lengths], finish_reasons=reasons,
+        )
+
+    trained = group(1, [1.0, 0.0], [1.0, 0.5], ["", "digits: TypeError: boom"], [2, 4], ["stop", "length"])
+    filtered = group(2, [1.0, 1.0], [1.0, 1.0], ["", ""], [1, 3], ["stop", "stop"])
+    values, sample = step_report([(filtered, False), (trained, True)], rollouts=1)
+    assert values == pytest.approx({
+        "reward/mean": 0.75, "reward/std": 0.1875**0.5, "reward/failed_share": 0.25,
+        "response_length/mean": 2.5, "response_length/max": 4.0, "response_length/clip_ratio": 0.25,
+        "groups": 2.0, "groups/trained": 1.0,
+        "reward/digits/mean": 0.875, "reward/digits/std": 0.046875**0.5,
+    })
+    assert sample == [trained]
+    assert step_report([], rollouts=4) == ({"reward/mean": pytest.approx(float("nan"), nan_ok=True), "groups": 0.0, "groups/trained": 0.0}, [])
+
+
+def test_a_snapshot_naming_a_group_the_ledger_lacks_is_passed_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 2, random.Random(1))
+    mid_step(buf)
+    seq = buf.mark()
+    state_blob = json.loads(buf.ledger._db.execute("SELECT state FROM snapshots WHERE seq = ?", (seq,)).fetchone()[0])
+    state_blob["decided"][0][1][3] = 99  # an attempt no row has
+    buf.ledger._db.execute("UPDATE snapshots SET state = ? WHERE seq = ?", (json.dumps(state_blob).encode(), seq))
+    restarted = make_buffer(tmp_path, "run.db")
+    assert restarted.replay() == len(buf.ledger.events()) and restarted.replayed_from == 0
+    assert whole_state(restarted) == whole_state(buf)
+    assert "names groups the ledger lacks" in caplog.text
+
+
+def _whole_ledger_replay(buf: SamplingBuffer, path: Path, world_size: int) -> SamplingBuffer:
+    """A buffer replaying a copy of ``buf``'s ledger without its snapshots."""
+    db = sqlite3.connect(path)
+    buf.ledger._db.backup(db)
+    db.execute("DELETE FROM snapshots")
+    db.commit()
+    db.close()
+    whole = SamplingBuffer(buf.config, num_prompts=N_PROMPTS, num_shards=2, world_size=world_size, seed=3,
+                           ledger=Ledger(path), total_steps=buf.total_steps)  # fmt: skip
+    whole.replay()
+    return whole
+
+
+@pytest.mark.parametrize("seed", range(60))  # (41, 46 and 51 found the reason left behind)
+def test_a_replay_from_a_snapshot_equals_the_whole_ledgers_in_random_runs(tmp_path: Path, seed: int) -> None:
+    """Random configs (staleness, waves, filter, the bound and on_stall, run length, world
+    size) and random runs: offers in any order, some stale, some made with weights a rewind
+    discarded, duplicates, old attempts, trained steps and their reports, checkpoint marks,
+    rewinds to one of them (the group's size changing with it) and restarts. After every
+    rewind and restart, the buffer rebuilt from the newest snapshot is the one rebuilt from
+    the whole ledger. (A review's fuzz found a filter reason left behind by a superseded
+    group this way.)"""
+    rng = random.Random(seed)
+    config = BufferConfig(
+        groups_per_step=4, group_size=rng.choice([2, 4]), micro_batches_per_step=rng.choice([1, 2]),
+        max_staleness=rng.choice([0, 1, 2]), filter=rng.choice(["all_equal", "none"]),
+        max_filtered_batches=rng.choice([0, 1, 2, 10]), on_stall=rng.choice(["error", "train"]),
+    )  # fmt: skip
+    world_size, total_steps, p_equal = rng.choice([1, 2]), rng.choice([None, 5]), rng.choice([0.2, 0.5, 0.9])
+
+    def fresh(path: Path) -> SamplingBuffer:
+        return SamplingBuffer(config, num_prompts=N_PROMPTS, num_shards=2, world_size=world_size, seed=3,
+                              ledger=Ledger(path), total_steps=total_steps)  # fmt: skip
+
+    buf, marks, offered, restarts = fresh(tmp_path / "run.db"), [0], [], 0
+    for _ in range(80):
+        action = rng.choices(["offer", "train", "mark", "rewind", "restart", "again"], [10, 4, 2, 1, 1.5, 1])[0]
+        if action == "offer":
+            planned = [k for s in (0, 1) for k in buf.plan(s)]
+            rng.shuffle(planned)
+            for key in planned[: rng.randint(1, max(1, len(planned)))]:
+                version, r = max(buf.min_policy_version, buf.version), rng.random()
+                version = buf.version + 1 if r < 0.1 else max(0, buf.version - rng.randint(1, 3)) if r < 0.2 else version
+                offered.append(make_group(key, version, n=config.group_size, equal=rng.random() < p_equal))
+                buf.offer(offered[-1])
+        elif action == "again" and offered:
+            group = rng.choice(offered)
+            buf.offer(group)  # a duplicate, and a stale attempt
+            buf.offer(make_group(dataclasses.replace(group.group_key, attempt=group.group_key.attempt + 7), buf.version, n=config.group_size))
+        elif action == "train" and buf.ready:
+            step = min(s for s, _ in buf.ready)
+            if all((step, i) in buf.ready for i in range(config.micro_batches_per_step)):
+                for i in range(config.micro_batches_per_step):
+                    buf.release(step, i)
+                buf.publish_version(step + 1)
+                if rng.random() < 0.7:  # the trainer's step report (yatt/rl/buffer.py)
+                    buf.step_groups.pop(step, None) if step < buf.version else None
+        elif action == "mark":
+            marks.append(buf.mark())
+        elif action in ("rewind", "restart"):
+            if action == "rewind":
+                mark = rng.choice(marks)
+                marks = [m for m in marks if m <= mark]
+                buf.ledger.rewind(mark, "a trainer group restarted")
+                world_size = rng.choice([1, 2]) if rng.random() < 0.3 else world_size
+            buf.ledger.commit()
+            restarts += 1
+            restarted = fresh(buf.ledger.path)
+            restarted.replay()
+            whole = _whole_ledger_replay(buf, tmp_path / f"whole{restarts}.db", world_size)
+            assert whole_state(restarted) == whole_state(whole), f"{action} {restarts}, from row {restarted.replayed_from}"
+            buf.ledger.close()
+            buf = restarted

@@ -1,0 +1,282 @@
+"""A controller: one asyncio process per data shard, holding nothing durable.
+
+The loop, per group (one prompt, n samples)::
+
+    buffer --DispatchPlan(keys of my shard, min version)-->  controller
+        for each key not yet in flight:
+            GenerateRequest -> generator pool  (waits: a free generator; the generator
+                                                waits for min_policy_version)
+            ScoreRequest    -> reward pool     (waits: scorers, each time-limited)
+            advantages per group (yatt.rl.rl_math), DAPO overlong penalty
+            ScoredGroup     -> buffer          (waits: the ledger's fsync; Ack = decided)
+        keys that left the plan (superseded) and are still generating are cancelled
+
+An evaluation is more keys in the same plan (``yatt.rl.evaluation``): held-out prompts,
+sampled greedily or as ``eval`` says, scored by the same reward pool, with no advantages.
+
+What unblocks it: a new plan (the buffer's long poll answers when decisions or the
+policy version move the dispatch window). Over-sampling, the staleness bound and the
+order of prompts are the buffer's (see ``yatt.rl.sampling``), so a controller is stateless:
+a restarted one asks for its plan with ``after_seq=-1`` and re-issues every undecided
+group of its shard. A group it had already delivered is a duplicate the buffer drops by
+key, so a SIGKILL loses and duplicates nothing. A worker that dies (``PeerLost``) or
+does not answer in time has its request re-issued to another of the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from typing import TypeVar
+
+import torch
+
+from protocols.messages import (
+    Ack,
+    Completions,
+    DispatchPlan,
+    GenerateRequest,
+    GroupKey,
+    Message,
+    Metrics,
+    PlanRequest,
+    Query,
+    SamplingParams,
+    ScoredGroup,
+    ScoreRequest,
+    Scores,
+)
+from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, TransportError
+from yatt.rl import rl_math
+from yatt.rl.config import AlgorithmConfig, ControllerConfig, EvalConfig
+from yatt.rl.data import Prompt
+from yatt.rl.evaluation import GREEDY, eval_version, is_eval
+from yatt.runtime.actor import Actor, handles
+from yatt.runtime.registry import Directory
+from yatt.runtime.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Message)
+
+
+def sampling_seed(seed: int, key: GroupKey) -> int:
+    """A stable 31-bit seed per group key, so a re-issued request samples the same."""
+    digest = hashlib.blake2b(f"{seed}/{key.as_str()}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def advantages(rewards: torch.Tensor, algorithm: AlgorithmConfig) -> torch.Tensor:
+    """Per-sequence advantages of one group [n]. GAE and REINFORCE++ ship raw rewards and
+    REINFORCE++-baseline r - mean(r); the trainer finishes them (critic values, token
+    returns, whitening over the whole batch). Dr.GRPO's normaliser is the trainer's too."""
+    kind = algorithm.advantage
+    if kind == "grpo":
+        return rl_math.grpo_advantages(rewards)
+    if kind == "dr_grpo":
+        return rl_math.grpo_advantages(rewards, std_normalize=False)
+    if kind == "rloo":
+        return rl_math.rloo_advantages(rewards)
+    if kind == "reinforce_pp_baseline":
+        return rl_math.reinforce_pp_baseline(rewards)
+    return rewards.clone()  # reinforce_pp, gae
+
+
+def scored_group(
+    key: GroupKey,
+    prompt: Prompt,
+    completions: Completions,
+    scores: Scores,
+    algorithm: AlgorithmConfig,
+    max_new_tokens: int,
+) -> ScoredGroup:
+    """The buffer's view of a finished group: rewards (+ overlong penalty) and advantages;
+    an eval group's rewards are the scores as they are, and it has no advantages."""
+    items = completions.completions
+    rewards = scores.rewards.to(torch.float32).clone()  # [n]
+    if algorithm.overlong_buffer and not is_eval(key):
+        lengths = torch.tensor([len(c.token_ids) for c in items])
+        rewards += rl_math.overlong_penalty(
+            lengths, max_new_tokens=max_new_tokens, buffer=algorithm.overlong_buffer, penalty=algorithm.overlong_penalty
+        )
+    advantage = torch.zeros_like(rewards) if is_eval(key) else advantages(rewards, algorithm).to(torch.float32)
+    return ScoredGroup(
+        group_key=key,
+        prompt_ids=torch.tensor(prompt.prompt_ids, dtype=torch.int32),
+        completion_ids=[c.token_ids for c in items],
+        rollout_logprobs=[c.logprobs for c in items],
+        rewards=rewards,
+        advantages=advantage,
+        policy_versions=torch.tensor([c.policy_version_min for c in items], dtype=torch.int64),
+        finish_reasons=[c.finish_reason for c in items],
+        scores={name: values.to(torch.float32) for name, values in scores.components.items()},
+        failures=list(scores.failures),
+    )
+
+
+class Controller:
+    """Drives the prompts of one shard; see the module docstring for the loop."""
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        shard: int,
+        group_size: int,
+        prompts: list[Prompt],
+        directory: Directory,
+        seed: int,
+        eval_prompts: list[Prompt] | None = None,
+        evaluation: EvalConfig | None = None,
+    ) -> None:
+        """``eval_prompts``: the held-out prompts the buffer's eval keys index, sampled as
+        ``evaluation`` says."""
+        if not 0 <= shard < config.num_controllers:
+            raise ValueError(f"shard {shard} is outside 0..{config.num_controllers - 1}")
+        self.config = config
+        self.algorithm = algorithm
+        self.shard = shard
+        self.group_size = group_size
+        self.prompts = prompts
+        self.directory = directory
+        self.seed = seed
+        self.eval_prompts = eval_prompts or []
+        self.evaluation = evaluation or EvalConfig()
+        self.delivered = 0  # groups this incarnation handed to the buffer
+        self.reissued = 0  # requests re-sent after a lost or silent worker
+        self._tasks: dict[GroupKey, asyncio.Task[None]] = {}
+        self._submitting: set[GroupKey] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(not t.done() for t in self._tasks.values())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the buffer's plan until ``stop`` is set; a failed group fails the run."""
+        plan_seq = -1
+        try:
+            while not stop.is_set():
+                plan = await self._call(
+                    "buffer",
+                    PlanRequest(
+                        shard=self.shard,
+                        num_shards=self.config.num_controllers,
+                        after_seq=plan_seq,
+                        wait_s=self.config.plan_wait_s,
+                    ),
+                    DispatchPlan,
+                    timeout=self.config.plan_wait_s + self.config.request_timeout_s,
+                )
+                plan_seq = plan.plan_seq
+                self._follow(plan)
+        finally:
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def _follow(self, plan: DispatchPlan) -> None:
+        for key, task in list(self._tasks.items()):
+            if task.done():
+                del self._tasks[key]
+                if not task.cancelled() and task.exception() is not None:
+                    raise ActorFailed(f"controller {self.shard}: group {key.as_str()} failed") from task.exception()
+        wanted = set(plan.keys)
+        for key, task in list(self._tasks.items()):
+            if key not in wanted and key not in self._submitting:
+                task.cancel()  # superseded while generating: the buffer no longer wants it
+        for key in plan.keys:
+            if key not in self._tasks:
+                self._tasks[key] = asyncio.get_running_loop().create_task(self._group(key, plan.min_policy_version))
+
+    def _request(self, key: GroupKey, min_version: int) -> tuple[Prompt, GenerateRequest]:
+        """The prompt of ``key`` and what to ask a generator for it: the rollout sampling, or
+        an eval key's (greedy: one completion at temperature 0; sampled: eval.n at
+        eval.temperature, with the version the key evaluates)."""
+        c, seed = self.config, sampling_seed(self.seed, key)
+        if not is_eval(key):
+            sampling = SamplingParams(
+                temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=c.max_new_tokens, seed=seed
+            )
+            prompt, n = self.prompts[key.prompt_index], self.group_size
+        else:
+            e = self.evaluation
+            max_new_tokens = e.max_new_tokens or c.max_new_tokens
+            if key.attempt == GREEDY:
+                sampling, n = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed), 1
+            else:
+                sampling = SamplingParams(
+                    temperature=e.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=max_new_tokens, seed=seed
+                )
+                n = e.n
+            prompt, min_version = self.eval_prompts[key.prompt_index], eval_version(key)
+        prompt_ids = torch.tensor(prompt.prompt_ids, dtype=torch.int32)
+        request = GenerateRequest(group_key=key, prompt_ids=prompt_ids, n=n, sampling=sampling, min_policy_version=min_version)
+        return prompt, request
+
+    async def _group(self, key: GroupKey, min_version: int) -> None:
+        prompt, request = self._request(key, min_version)
+        prompt_ids = request.prompt_ids
+        completions = await self._call("generator", request, Completions)
+        scores = await self._call(
+            "reward",
+            ScoreRequest(
+                group_key=key,
+                prompt_ids=prompt_ids,
+                completion_ids=[c.token_ids for c in completions.completions],
+                finish_reasons=[c.finish_reason for c in completions.completions],
+                metadata=prompt.metadata,
+            ),
+            Scores,
+        )
+        group = scored_group(key, prompt, completions, scores, self.algorithm, self.config.max_new_tokens)
+        self._submitting.add(key)
+        try:
+            await self._call("buffer", group, Ack)
+            self.delivered += 1
+        finally:
+            self._submitting.discard(key)
+
+    async def _call(self, role: str, msg: Message, expect: type[R], *, timeout: float | None = None) -> R:
+        """Send ``msg`` to the least-busy live member of ``role``; re-issue it elsewhere when
+        that member is lost or silent. Every message here is idempotent by group key."""
+        deadline = timeout or self.config.request_timeout_s
+        last: Exception | None = None
+        for _ in range(self.config.max_attempts):
+            try:
+                await self.directory.wait_for_live(role, timeout=self.config.request_timeout_s)
+                client = self.directory.pick(role)
+                return await client.request(msg, expect, timeout=deadline)
+            except (PeerLost, RequestTimeout, TransportError) as e:
+                last = e
+                self.reissued += 1
+                logger.warning("controller %d: %s request failed (%s); re-issuing", self.shard, role, e)
+                await self.directory.pause_before_retry(e)
+            except RemoteError as e:
+                last = e
+                logger.warning("controller %d: %s raised %s; re-issuing", self.shard, role, e.error_type)
+        raise ActorFailed(
+            f"controller {self.shard}: {type(msg).__name__} failed {self.config.max_attempts} times on the {role} pool"
+        ) from last
+
+
+class ControllerActor(Actor):
+    """The controller's own endpoint: it registers the controller (READY) and answers
+    ``Query("stats")``; the controller's work is the loop in ``Controller.run``."""
+
+    role = "controller"
+
+    def __init__(self, transport: Transport, *, endpoint: str, controller: Controller) -> None:
+        super().__init__(transport, endpoint=endpoint, actor_id=f"controller-{controller.shard}-{uuid.uuid4().hex[:6]}")
+        self.controller = controller
+
+    @handles(Query)
+    async def query(self, msg: Query) -> Message:
+        if msg.what == "stats":
+            c = self.controller
+            return Metrics(
+                values={"controller/delivered": float(c.delivered), "controller/reissued": float(c.reissued), "controller/in_flight": float(c.in_flight)}
+            )
+        raise ValueError(f"controller: unknown query {msg.what!r}; known: stats")

@@ -1,0 +1,125 @@
+"""Built-in synthetic tasks and their rewards, and the scorer of reasoning-gym entries.
+
+The built-in default job trains the tiny model (workers/models.py) on CPU in about a
+minute, warm-started by a few seconds of supervised steps, and CI checks that its
+exact-match accuracy on held-out sums rises. A random policy almost never writes the exact
+answer, so a binary reward gives GRPO no signal to start from; ``digits`` therefore pays
+partial credit along the way a policy can actually climb:
+
+    random text             ~0.06   (about one completion in five starts with a number)
+    starts with a number     0.2    (learnt in a few hundred GRPO steps)
+    right digits, in place   0.2 + 0.8 x share (always "12" earns 0.42 on average)
+    the exact sum            1.0
+
+``TASKS`` maps a name to its prompt maker and reward. Every reward has the signature of the
+reward worker's custom scorer, ``(prompt, completion, metadata) -> float``, so a config can
+name it by dotted path, e.g. ``yatt.rl.tasks:digits_reward``. Every task also puts the reference
+answer in ``metadata["answer"]``, so the generic scorers (exact_match, math_verify) work too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+Example = tuple[str, dict[str, str]]
+"""A prompt text and its metadata (strings only)."""
+Reward = Callable[[str, str, Mapping[str, str]], float]
+"""(prompt, completion, metadata) -> reward."""
+
+
+class Task(NamedTuple):
+    """A synthetic task: deterministic prompts from a seed, and their reward."""
+
+    make_prompts: Callable[[int, int], list[Example]]
+    """(num, seed) -> num prompts with their metadata."""
+    reward: Reward
+    """Scores one completion of one of those prompts."""
+
+
+_LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
+_NUMBER = re.compile(r"-?\d+")
+
+
+def _sums(num: int, seed: int, low: int, high: int) -> list[Example]:
+    """``num`` prompts "What is a + b?" with a, b drawn uniformly from [low, high]."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(num):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        examples.append((f"What is {a} + {b}?", {"answer": str(a + b)}))
+    return examples
+
+
+def digits_prompts(num: int, seed: int) -> list[Example]:
+    """Sums of two single digits (answers 0..18): small enough for a tiny model to learn."""
+    return _sums(num, seed, 0, 9)
+
+
+def digits_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
+    """0.2 if the completion starts with a number, plus 0.8 x the share of digits right in place.
+
+    The share is the number of positions where the leading number and the answer agree,
+    over the longer of the two, so extra digits cost credit: for the answer "12", "12" earns
+    1.0, "13" 0.6, "123" 0.733, "7" 0.2, and "the answer is 12" 0.
+    """
+    match = _LEADING_NUMBER.match(completion)
+    if match is None:
+        return 0.0
+    number: str = match.group(1)
+    answer = metadata["answer"]
+    right = sum(x == y for x, y in zip(number, answer, strict=False))
+    return 0.2 + 0.8 * right / max(len(number), len(answer))
+
+
+def addition_prompts(num: int, seed: int) -> list[Example]:
+    """Sums of two two-digit numbers: for small real models (e.g. SmolLM2), not the tiny one."""
+    return _sums(num, seed, 10, 99)
+
+
+def addition_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
+    """1 if the last number in the completion is the answer, else 0.
+
+    The last one, because a chat model tends to restate the question first ("23 + 45 = 68").
+    """
+    numbers = _NUMBER.findall(completion)
+    return 1.0 if numbers and numbers[-1] == metadata["answer"] else 0.0
+
+
+TASKS: dict[str, Task] = {
+    "digits": Task(digits_prompts, digits_reward),
+    "addition": Task(addition_prompts, addition_reward),
+}
+"""The built-in synthetic tasks (data.source: synthetic, data.task: <name>)."""
+
+
+@functools.cache
+def _reasoning_gym_scorer(name: str) -> Callable[[str | None, dict[str, Any]], float]:
+    """The score_answer of reasoning-gym dataset ``name``, made once per process."""
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)  # type: ignore[no-any-return]
+
+
+def score_reasoning_gym(answer: str, metadata: Mapping[str, str]) -> float:
+    """Score an extracted ``answer`` against the reasoning-gym entry in ``metadata``.
+
+    ``metadata`` is what yatt.rl.data made for the prompt: ``task`` (the dataset name) and
+    ``entry`` (the entry as JSON). A composite dataset names the source of each entry in
+    ``entry["metadata"]["source_dataset"]``; that dataset's scorer decides.
+    """
+    entry = json.loads(metadata["entry"])
+    name = entry.get("metadata", {}).get("source_dataset") or metadata["task"]
+    return float(_reasoning_gym_scorer(name)(answer, entry))
+
+
+def reasoning_gym_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
+    """A custom-scorer reward: the last <answer>...</answer> of the completion, scored; none: 0."""
+    from reasoning_gym.utils import extract_answer
+
+    answer = extract_answer(completion)
+    return 0.0 if answer is None else score_reasoning_gym(answer, metadata)

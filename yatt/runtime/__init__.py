@@ -1,0 +1,8 @@
+"""The actor runtime: what every role process is built from, and nothing about RL.
+
+``transport`` (the one socket factory, CURVE keys), ``actor`` (handlers, clients, replies),
+``streams`` (bounded, acknowledged pushes), ``registry`` (membership, heartbeats, the
+directory of live workers), ``trace`` (spans, failpoints, injected slowdowns),
+``configtools`` (typed, loudly validated configs) and ``lifetime`` (a process dies with
+its parent). Imports only ``protocols`` and ``yatt.errors``.
+"""

@@ -66,7 +66,7 @@ Not matched, and why (also in the result's notes):
 
 - Processes and threads: yatt runs 6 to 7 processes (buffer, reward, 2 controllers, 2
   FSDP2 trainer ranks over gloo, and a generator process unless colocated), with the
-  cores and threads of its plan (``launch.local.role_threads``); TRL runs generation,
+  cores and threads of its plan (``launch.processes.role_threads``); TRL runs generation,
   reward and training in one process, given all cores
   (``torch.set_num_threads(os.cpu_count())``; ``--set trl_threads=N`` changes it). That
   difference is what is being compared, and it makes TRL's figures depend on what else
@@ -157,7 +157,6 @@ from benchmarks.jobs import (
     Monitored,
     Training,
     moving_average,
-    read_metrics,
     run_monitored,
     run_yatt,
     time_to_reward,
@@ -165,7 +164,9 @@ from benchmarks.jobs import (
 )
 from benchmarks.trl_grpo import TrlSpec
 from launch.config import RunConfig, load_run_config
+from yatt.runtime import run_dir as names
 from yatt.runtime.configtools import build, require
+from yatt.runtime.run_dir import read_jsonl
 
 SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
 Size = Literal["tiny", "smollm2"]
@@ -422,7 +423,7 @@ def _run_yatt(job: Job, layout: Layout, run_dir: Path) -> tuple[Side, str]:
         memory_samples=run.memory_samples,
     )
     side = _side(job, run.metrics, measured, f"yatt {layout}")
-    return side, str(json.loads((run_dir / "plan.json").read_text())["layout"])
+    return side, str(json.loads((run_dir / names.PLAN).read_text())["layout"])
 
 
 def _run_trl(job: Job, out: Path) -> Side:
@@ -430,7 +431,7 @@ def _run_trl(job: Job, out: Path) -> Side:
     job.spec.dump(out / "spec.json")
     cmd = [sys.executable, "-m", "benchmarks.trl_grpo", str(out / "spec.json"), str(out)]
     measured = run_monitored(cmd, out / "trl.log", timeout_s=job.timeout_s, what=f"TRL job ({job.size})")
-    return _side(job, read_metrics(out / "metrics.jsonl"), measured, "TRL")
+    return _side(job, read_jsonl(out / names.METRICS), measured, "TRL")
 
 
 def _time_to_reward_ratio(yatt: Side, trl: Side) -> float | None:
@@ -521,7 +522,7 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     sequence = " ".join([*opts.layouts, "TRL"])
     result.notes += [
         "yatt: buffer, reward, 2 controllers, 2 FSDP2 trainer ranks and, unless colocated, a generator "
-        "process, with the cores and threads of its plan (launch.local.role_threads); "
+        "process, with the cores and threads of its plan (launch.processes.role_threads); "
         f"TRL: one process with {opts.trl_threads or threads} torch thread(s)",
         "prompt order and sampling seeds differ (each framework shuffles and seeds its own way)",
         "GRPO advantage eps: yatt 1e-6, TRL 1e-4 (hard-coded); both use the unbiased group std",

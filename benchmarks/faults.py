@@ -57,13 +57,14 @@ from pathlib import Path
 
 from benchmarks.fuzzing import role_processes
 from benchmarks.harness import Result
-from benchmarks.jobs import read_metrics
 from launch.config import load_run_config
-from launch.local import latest_checkpoint
+from launch.prepare import latest_checkpoint
 from yatt.errors import ConfigError
 from yatt.rl.ledger import Ledger
 from yatt.rl.sampling import epoch_order
+from yatt.runtime import run_dir as names
 from yatt.runtime.configtools import build
+from yatt.runtime.run_dir import read_jsonl
 from yatt.runtime.trace import FAILPOINT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,8 +135,8 @@ def launch_run(
 
 
 def _steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(read_metrics(path)) if path.exists() else 0
+    path = run_dir / names.METRICS
+    return len(read_jsonl(path)) if path.exists() else 0
 
 
 def _wait(proc: subprocess.Popen[bytes], run_dir: Path, steps: int, timeout_s: float = 900) -> bool:
@@ -160,14 +161,14 @@ def training_prompts(run_dir: Path) -> int:
     the length of each epoch's seeded order."""
     from yatt.rl.data import load_prompts
 
-    cfg = load_run_config(run_dir / "config.yaml")
+    cfg = load_run_config(run_dir / names.CONFIG)
     return len(load_prompts(cfg.data, cfg.model.path or str(run_dir / "model")))
 
 
 def audit(run_dir: Path, seed: int, num_prompts: int, wall_s: float, finished: bool) -> Outcome:
     """What the ledger and the metrics say of a run that ended."""
-    metrics = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    ledger = Ledger(run_dir / "ledger.db")
+    metrics = read_jsonl(run_dir / names.METRICS)
+    ledger = Ledger(run_dir / names.LEDGER)
     try:
         entries, history = ledger.entries(), ledger.history()
     finally:
@@ -215,7 +216,7 @@ def _run(
             while role_processes(run_dir):
                 time.sleep(0.2)
             if latest_checkpoint(run_dir) is None:  # nothing to resume: start over
-                for name in ("metrics.jsonl", "ledger.db", "ledger.db-wal", "ledger.db-shm"):
+                for name in (names.METRICS, *names.LEDGER_FILES):
                     (run_dir / name).unlink(missing_ok=True)
                 proc = launch_run(run_dir, items)
             else:
@@ -296,7 +297,7 @@ def late_stops(tmp: Path, result: Result) -> None:
     """A role the launcher had to SIGKILL because it did not stop within its grace (15 s of
     a run's wall time): counted, and each one's line and where it was (its stacks, at the
     end of its log) kept in the notes, since the run dirs go with the benchmark."""
-    from launch.local import log_tail
+    from launch.processes import log_tail
 
     late = 0
     for log in sorted(tmp.glob("*.launcher.log")):
@@ -411,7 +412,7 @@ def _goodput(tmp: Path, opts: Options, items: list[str], result: Result, quick: 
         f[f"groups_duplicated_{name}"] = float(out.duplicated)
         if not out.finished:
             continue
-        rows = read_metrics(run_dir / "metrics.jsonl")
+        rows = read_jsonl(run_dir / names.METRICS)
         unix = [row["time/unix"] for row in rows]
         spans[name] = unix[-1] - unix[0]  # first step's end to the last's: start-up and export left out
         # Where the rest of the wall time went: the launch to the first step's end, the
@@ -480,7 +481,7 @@ def _checkpoint_cost(tmp: Path, opts: Options, items: list[str], result: Result,
         if _steps(run_dir) != opts.checkpoint_steps:
             log = tmp / f"{run_dir.name}.launcher.log"
             raise RuntimeError(f"the {name} checkpoint run failed:\n{log.read_text()[-3000:]}")
-        lines = read_metrics(run_dir / "metrics.jsonl")[1:-1]  # not the warm-up, nor the final (synchronous) save
+        lines = read_jsonl(run_dir / names.METRICS)[1:-1]  # not the warm-up, nor the final (synchronous) save
         f[f"checkpoint_{name}_step_s"] = statistics.median(m["time/step_s"] for m in lines)
         f[f"checkpoint_{name}_in_step_s"] = statistics.median(m["time/checkpoint_s"] for m in lines)
     state = tmp / "checkpoint_sync" / "checkpoints" / "step_1" / "trainer"
@@ -556,9 +557,9 @@ def replay_cost(run_dir: Path) -> dict[str, float]:
 
     from yatt.rl.sampling import SamplingBuffer
 
-    cfg = load_run_config(run_dir / "config.yaml")
+    cfg = load_run_config(run_dir / names.CONFIG)
     num_prompts = training_prompts(run_dir)
-    ledgers = {"snapshot": run_dir / "ledger.db"}
+    ledgers = {"snapshot": run_dir / names.LEDGER}
     for name, delete in (
         ("previous", "DELETE FROM snapshots WHERE seq = (SELECT MAX(seq) FROM snapshots)"),
         ("whole", "DELETE FROM snapshots"),

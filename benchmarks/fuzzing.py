@@ -40,6 +40,7 @@ from protocols.messages import (
     WeightUpdate,
     WorkerInfo,
 )
+from yatt.runtime import run_dir as names
 
 
 @dataclass(kw_only=True)
@@ -82,7 +83,7 @@ def launcher_ports(launcher_pid: int, run_dir: Path) -> list[int]:
     is in ``<run_dir>/launcher.json``)."""
     import psutil
 
-    store = {int(json.loads((run_dir / "launcher.json").read_text())["store_port"])}
+    store = {int(json.loads((run_dir / names.LAUNCHER).read_text())["store_port"])}
     conns = psutil.Process(launcher_pid).net_connections("tcp")
     return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN} - store)
 

@@ -27,7 +27,6 @@ time. They are pure, so tests/benchmarks/test_e2e.py checks them on hand-compute
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -40,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from yatt.runtime import run_dir as names
+from yatt.runtime.run_dir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_INTERVAL_S = 0.25
@@ -193,9 +195,6 @@ def run_monitored(
     )
 
 
-def read_metrics(path: Path) -> list[dict[str, float]]:
-    """The lines of a metrics.jsonl file."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_yatt(items: list[str], run_dir: Path, *, timeout_s: float, env: Mapping[str, str] | None = None) -> JobRun:
@@ -203,7 +202,7 @@ def run_yatt(items: list[str], run_dir: Path, *, timeout_s: float, env: Mapping[
     dotted.key=value overrides), measured; its output goes to ``run_dir/launcher.log``."""
     cmd = [sys.executable, "-m", "launch", "run", *items, "--run-dir", str(run_dir), "--no-progress"]
     measured = run_monitored(cmd, run_dir / "launcher.log", timeout_s=timeout_s, what="yatt job " + " ".join(items), env=env)
-    metrics = read_metrics(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / names.METRICS)
     if not metrics:
         raise RuntimeError(f"the yatt job in {run_dir} wrote no metrics; its log:\n{log_tail(run_dir / 'launcher.log')}")
     return JobRun(

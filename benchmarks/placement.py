@@ -83,7 +83,9 @@ from yatt.placement.adaptive import Replanner, StepTimes, SwitchCosts, pools
 from yatt.placement.layouts import LayoutError, Roles, assign, gpu_cluster
 from yatt.placement.plan import LAYOUTS, Layout, Plan
 from yatt.placement.planner import GIB, ModelSizes, StageCosts, Workload, candidates, ladder, predict
+from yatt.runtime import run_dir as names
 from yatt.runtime.configtools import build, require
+from yatt.runtime.run_dir import read_jsonl
 
 # Qwen2.5-7B on H200-class GPUs (141 GB, 989 TFLOP/s dense bf16, 4.8 TB/s).
 POLICY = ModelSizes(
@@ -543,7 +545,6 @@ LIVE_SLOW = "150:0.15"
 
 def live(result: Result, repeats: int) -> None:
     """``LIVE_EXAMPLE`` re-planned and pinned, interleaved, its judge turning slow mid-run."""
-    import json
 
     from benchmarks.faults import audit, training_prompts
     from benchmarks.jobs import run_yatt
@@ -565,13 +566,12 @@ def live(result: Result, repeats: int) -> None:
                 steps = [m["time/step_s"] for m in job.metrics]
                 f[f"{tag}_wall_s"] = job.wall_s
                 f[f"{tag}_training_s"] = sum(steps)
-                evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+                evals = read_jsonl(run_dir / names.EVAL)
                 f[f"{tag}_accuracy_first"] = evals[0]["eval/reward/accuracy"]
                 f[f"{tag}_accuracy_last"] = evals[-1]["eval/reward/accuracy"]
                 out = audit(run_dir, seed, training_prompts(run_dir), job.wall_s, finished=True)  # run_yatt raises otherwise
                 f[f"{tag}_groups_lost"], f[f"{tag}_groups_duplicated"] = float(out.lost), float(out.duplicated)
-                decisions = ([json.loads(line) for line in (run_dir / "placement.jsonl").read_text().splitlines()]
-                             if (run_dir / "placement.jsonl").exists() else [])
+                decisions = read_jsonl(run_dir / names.PLACEMENT)
                 changed = [int(d["step"]) for d in decisions if d["placement/changed"]]
                 f[f"{tag}_changes"] = float(len(changed))
                 if mode == "adaptive":

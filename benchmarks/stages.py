@@ -65,6 +65,7 @@ from benchmarks.e2e import JOBS
 from benchmarks.harness import Result, Span, Timeline
 from benchmarks.jobs import run_yatt
 from yatt.errors import ConfigError
+from yatt.runtime import run_dir as names
 
 COMPUTE_KINDS = frozenset({"generate", "score", "forward_backward", "optimizer"})
 """Model (and reward function) compute: what is not the framework's own time, less the
@@ -306,7 +307,7 @@ def run(*, quick: bool, options: Mapping[str, Any] | None = None) -> Result:
     with tempfile.TemporaryDirectory(prefix="yatt-stages-") as tmp:
         job = run_yatt(items, Path(tmp) / "run", timeout_s=3600.0)
         roles = load_traces(job.run_dir / "trace")
-        placed = json.loads((job.run_dir / "plan.json").read_text())["layout"]
+        placed = json.loads((job.run_dir / names.PLAN).read_text())["layout"]
     stages = analyse(roles, skip=opts["skip"])
     result = Result(figures=dict(stages.figures))
     result.plots["timeline"] = timeline(roles, stages.steps, opts["timeline_steps"])

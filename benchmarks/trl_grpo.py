@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from yatt.rl.tasks import digits_reward
+from yatt.runtime import run_dir as names
 from yatt.runtime.configtools import build
 
 
@@ -91,16 +92,55 @@ def reward(prompts: list[str], completions: list[str], answer: list[str], **_: A
     return [digits_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
 
+def grpo_config(spec: TrlSpec, out_dir: Path) -> Any:
+    """TRL's GRPOConfig for ``spec``: the same knobs as yatt's side of the comparison."""
+    from trl.trainer.grpo_config import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out_dir / "trl"),
+        num_generations=spec.group_size,
+        per_device_train_batch_size=spec.prompts_per_step * spec.group_size // spec.micro_batches,
+        gradient_accumulation_steps=spec.micro_batches,
+        max_completion_length=spec.max_new_tokens,
+        learning_rate=spec.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=spec.betas[0],
+        adam_beta2=spec.betas[1],
+        weight_decay=spec.weight_decay,
+        beta=0.0,
+        epsilon=spec.clip_low,
+        epsilon_high=spec.clip_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=0,
+        max_grad_norm=spec.grad_clip,
+        gradient_checkpointing=False,
+        num_iterations=1,
+        max_steps=spec.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec.seed,
+        use_cpu=True,
+        bf16=spec.bf16,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
 def train(spec: TrlSpec, out_dir: Path) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl.trainer.grpo_config import GRPOConfig
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     torch.set_num_threads(spec.threads or os.cpu_count() or 1)
     samples_per_step = spec.prompts_per_step * spec.group_size
-    metrics_path = out_dir / "metrics.jsonl"
+    metrics_path = out_dir / names.METRICS
     generated = {"s": 0.0, "prompt_tokens": 0.0, "completion_tokens": 0.0}  # this step's, so far
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -153,40 +193,7 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
 
-    config = GRPOConfig(
-        output_dir=str(out_dir / "trl"),
-        num_generations=spec.group_size,
-        per_device_train_batch_size=samples_per_step // spec.micro_batches,
-        gradient_accumulation_steps=spec.micro_batches,
-        max_completion_length=spec.max_new_tokens,
-        learning_rate=spec.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        optim="adamw_torch",
-        adam_beta1=spec.betas[0],
-        adam_beta2=spec.betas[1],
-        weight_decay=spec.weight_decay,
-        beta=0.0,
-        epsilon=spec.clip_low,
-        epsilon_high=spec.clip_high,
-        loss_type="dapo",
-        scale_rewards="group",
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=0,
-        max_grad_norm=spec.grad_clip,
-        gradient_checkpointing=False,
-        num_iterations=1,
-        max_steps=spec.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=spec.seed,
-        use_cpu=True,
-        bf16=spec.bf16,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    config = grpo_config(spec, out_dir)
     dataset = Dataset.from_dict({"prompt": spec.prompts, "answer": spec.answers})
     trainer = TimedGRPOTrainer(
         model=spec.model_dir,

@@ -20,9 +20,11 @@ import yaml
 
 from launch import evaluate, slurm
 from launch.config import load_run_config, split_items
-from launch.local import LocalLauncher, latest_checkpoint
-from launch.placement import inputs
+from launch.local import LocalLauncher
+from launch.placement import command
+from launch.prepare import latest_checkpoint
 from yatt.errors import ConfigError
+from yatt.runtime import run_dir as names
 from yatt.runtime.configtools import to_dict
 
 SECTIONS = """config sections (a YAML file with any of them, or dotted.key=value overrides; every field is
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "--print-config", action="store_true", help="print the resolved config (every default filled in) and exit"
     )
     slurm.add_parsers(sub)
-    inputs.add_parser(sub)
+    command.add_parser(sub)
     evaluate.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command != "run":
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             if resume_ckpt is None:
                 raise ConfigError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
             run_dir = run_dir or args.resume
-            config_path = config_path or str(args.resume / "config.yaml")
+            config_path = config_path or str(args.resume / names.CONFIG)
         cfg = load_run_config(config_path, overrides)
     except ConfigError as e:
         print(f"yatt: config error: {e}", file=sys.stderr)

@@ -30,17 +30,18 @@ from protocols.messages import Query, StepReport
 from workers.run_log import RunLog
 from yatt.errors import ConfigError
 from yatt.placement.plan import Plan
+from yatt.runtime import run_dir as names
 from yatt.runtime.registry import Directory
 
 
 def eval_target(target: Path, items: list[str]) -> tuple[RunConfig, Path, int]:
     """(the config, the eval dir's default, the step label) of ``launch eval TARGET ITEMS``."""
     config_path, overrides = split_items(items)
-    if (target / "config.yaml").is_file() and not (target / "config.json").is_file():  # a run dir
+    if (target / names.CONFIG).is_file() and not (target / "config.json").is_file():  # a run dir
         model = target / "final"
         if not (model / "config.json").is_file():
             raise ConfigError(f"{target} is a run dir without a final model ({model}); let the run finish, or evaluate a checkpoint's hf/ export")
-        cfg = load_run_config(config_path or target / "config.yaml", [*overrides, f"model.path={model}", "model.warm_start_steps=0"])
+        cfg = load_run_config(config_path or target / names.CONFIG, [*overrides, f"model.path={model}", "model.warm_start_steps=0"])
         return cfg, target / "evals" / time.strftime("%Y%m%d-%H%M%S"), cfg.run.steps
     if (target / "config.json").is_file():  # a Hugging Face model directory
         cfg = load_run_config(config_path, [*overrides, f"model.path={target}", "model.warm_start_steps=0"])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from launch.config import RunConfig, load_run_config
 from launch.placement.plan_file import assignment_for, pin, read_plan, world_size_of
 from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
+from yatt.runtime import run_dir as names
 from yatt.runtime import trace
 from yatt.runtime.actor import Actor
 from yatt.runtime.lifetime import die_with_parent
@@ -137,7 +138,7 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
         num_shards=cfg.controller.num_controllers,
         world_size=world_size_of(read_plan(args.run_dir), cfg.trainer.world_size),  # re-planned: the plan's
         seed=cfg.run.seed,
-        ledger_path=args.run_dir / "ledger.db",
+        ledger_path=args.run_dir / names.LEDGER,
         resume_from=args.resume,
         total_steps=0 if args.eval_only else cfg.run.steps,
         num_eval_prompts=len(eval_prompts),
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("YATT_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {args.role}-{args.index} %(levelname)s %(name)s: %(message)s",
     )
-    cfg = load_run_config(args.run_dir / "config.yaml")
+    cfg = load_run_config(args.run_dir / names.CONFIG)
     pin(assignment_for(read_plan(args.run_dir), args.role, args.index))  # before any model loads
     role_main = _MAINS[args.role]
     if args.role == "reward":

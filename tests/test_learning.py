@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import finish_line
+from launch.progress import finish_line
 from tests.learning import assert_default_job_learned
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from protocols.messages import ScoredGroup
+from yatt.runtime import run_dir as names
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -53,7 +54,7 @@ class RunLog:
         if self._wandb is None:
             import wandb
 
-            config = self.run_dir / "config.yaml"
+            config = self.run_dir / names.CONFIG
             self._wandb = wandb.init(
                 project=self._wandb_project,
                 name=self.run_dir.name,
@@ -68,12 +69,12 @@ class RunLog:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter as Writer
 
-            self._writer = Writer(str(self.run_dir / "tensorboard"))
+            self._writer = Writer(str(self.run_dir / names.TENSORBOARD))
         return self._writer
 
     def metrics(self, line: dict[str, float], *, kind: str = "metrics") -> None:
         """One step's scalars; ``line["step"]`` is the step; ``kind`` "eval" writes eval.jsonl."""
-        with (self.run_dir / f"{kind}.jsonl").open("a") as f:
+        with (self.run_dir / {"metrics": names.METRICS, "eval": names.EVAL}[kind]).open("a") as f:
             f.write(json.dumps(line) + "\n")
         step = int(line["step"])
         if "tensorboard" in self._report_to:
@@ -96,7 +97,7 @@ class RunLog:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
         rows = [row for group in groups for row in self._rows(step, group)]
-        with (self.run_dir / f"{name}.jsonl").open("a") as f:
+        with (self.run_dir / (names.EVAL_ROLLOUTS if kind else names.ROLLOUTS)).open("a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         if "tensorboard" in self._report_to:
             writer = self._tensorboard()

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,61 +56,20 @@ from launch.placement.inputs import run_costs, run_sizes, run_workload
 from protocols.messages import Metrics, Query
 from yatt.errors import ConfigError, YattError
 from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
-from yatt.placement.plan import Assignment, ClusterSpec, Layout, Plan
+from yatt.placement.plan import ClusterSpec, Layout, Plan
 from yatt.rl.config import BufferConfig
 from yatt.rl.sampling import check_world_size
+from yatt.runtime import run_dir as names
 from yatt.runtime.registry import Directory
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-DECISIONS_FILE = "placement.jsonl"
 RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
 """The layouts a run switches between (``placement.adaptive_layouts``); a partial run moves
 slots within its layout."""
 BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
 """The cumulative busy seconds each pool's workers report in their stats."""
-
-
-def keep_places(old: Plan, new: Plan) -> Plan:
-    """``new`` with its generators and reward workers renumbered so that as many processes as
-    possible keep their index and slots: an index whose slots are still in its role's pool
-    keeps them; the others take what is left, in order."""
-    assignments: list[Assignment] = [a for a in new.assignments if a.role not in BUSY_KEYS]
-    for role in BUSY_KEYS:
-        before = {a.index: a.slots for a in old.of(role)}
-        free = list(new.of(role))
-        count = len(free)
-        kept: dict[int, Assignment] = {}
-        for index in range(count):
-            same = next((a for a in free if a.slots == before.get(index)), None)
-            if same is not None:
-                kept[index] = same
-                free.remove(same)
-        for index in range(count):
-            if index not in kept:
-                kept[index] = free.pop(0)
-        assignments += [replace(kept[i], index=i) for i in sorted(kept)]
-    return replace(new, assignments=tuple(assignments))
-
-
-def moved(old: Plan, new: Plan) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """The processes a change stops and the ones it starts: (role, index) of each, for the
-    generators and reward workers whose slots differ (or that exist on one side only)."""
-    stop: list[tuple[str, int]] = []
-    start: list[tuple[str, int]] = []
-    for role in BUSY_KEYS:
-        a = {x.index: x.slots for x in old.of(role)}
-        b = {x.index: x.slots for x in new.of(role)}
-        stop += [(role, i) for i in sorted(a) if b.get(i) != a[i]]
-        start += [(role, i) for i in sorted(b) if a.get(i) != b[i]]
-    return stop, start
-
-
-def parks(old: Plan, new: Plan, role: str) -> bool:
-    """Whether a change from ``old`` to ``new`` parks (and wakes) the ``role`` processes it
-    moves rather than stopping (and starting) them: the generators of a partial plan."""
-    return role == "generator" and old.layout == new.layout == "partial"
 
 
 def splits_over(config: BufferConfig, world_size: int) -> bool:
@@ -129,7 +87,7 @@ class Adapter:
     def __init__(self, cfg: RunConfig, plan: Plan, cluster: ClusterSpec, run_dir: Path, *, switch: SwitchCosts) -> None:
         kind = cluster.slots[0].kind
         self.cfg = cfg
-        self.path = run_dir / DECISIONS_FILE
+        self.path = run_dir / names.PLACEMENT
         self.replanner = Replanner(
             plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
             workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,

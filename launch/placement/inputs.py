@@ -1,18 +1,14 @@
-"""``python -m launch plan [CONFIG.yaml] [dotted.key=value ...] [--from RUN_DIR]``: the three
-placement candidates of a run on this machine, with their predicted step time, idle share
-and memory per slot, and the one the planner picks.
+"""The planner's inputs, gathered from the world, and the run's plan.
 
-The planner (``yatt.placement.planner``) is pure; this module gathers its inputs from the
-world: this machine's slots and memory, the bf16 (or float32) matmul peak of one slot, the
+The planner (``yatt.placement.planner``) is pure; this module gathers its inputs: this machine's slots and memory, the bf16 (or float32) matmul peak of one slot, the
 model's sizes from its config.json (no weights are loaded), and measured costs from a run's
-``metrics.jsonl``. The launcher calls ``plan_for_run`` for ``placement.layout`` (``auto``
-runs the planner; an explicit layout is placed and predicted) and may reuse
-``measure_peak_flops`` and ``this_machine``.
+``metrics.jsonl``. The launcher calls ``make_plan`` for ``placement.layout`` (``auto``
+runs the planner; an explicit layout is placed and predicted); ``python -m launch plan``
+(``launch.placement.command``) prints the candidates.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -20,24 +16,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launch.config import RunConfig, load_run_config, split_items
-from launch.placement.plan_file import roles_of
+from launch.config import RunConfig, load_run_config
 from yatt.errors import ConfigError
 from yatt.placement.costs import calibrate, estimate_costs, hf_param_count, model_sizes
-from yatt.placement.layouts import cpu_cluster, gpu_cluster, slot_share
+from yatt.placement.layouts import LayoutError, Roles, cpu_cluster, gpu_cluster, slot_share
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.placement.planner import (
-    GIB,
-    Candidate,
     ModelSizes,
     StageCosts,
     Workload,
-    best,
     candidates,
     choose,
-    describe,
     finish,
 )
+from yatt.runtime import run_dir as names
+from yatt.runtime.run_dir import read_jsonl
 
 TINY_CONFIG: dict[str, object] = {
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -199,10 +192,10 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
                            acceptance=acceptance)
     if measured is None:
         return costs
-    metrics, config = measured / "metrics.jsonl", measured / "config.yaml"
+    metrics, config = measured / names.METRICS, measured / names.CONFIG
     if not metrics.is_file() or not config.is_file():
         raise ConfigError(f"--from {measured}: not a run dir (it needs metrics.jsonl and config.yaml)")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(metrics)
     try:
         past = load_run_config(config)
     except ConfigError as e:
@@ -214,7 +207,7 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
 def _measured_slots(run_dir: Path, past: RunConfig, n: int) -> tuple[int, int]:
     """Slots the generators and the trainer ranks of a past run computed on: from its
     ``plan.json`` when it has one, else (a run without a plan) their threads on ``n`` cores."""
-    path = run_dir / "plan.json"
+    path = run_dir / names.PLAN
     if path.is_file():
         assignments = json.loads(path.read_text())["assignments"]
         trainers = [a for a in assignments if a["role"] == "trainer"]
@@ -255,58 +248,23 @@ def plan_for_run(
     raise ConfigError(f"placement.layout must be auto, colocated, partial or disaggregated (got {layout!r})")
 
 
-def _per_slot(values: dict[int, float], fmt: str) -> str:
-    """Values by slot, all of them for a few slots, else min/mean/max."""
-    if len(values) <= 8:
-        return " ".join(format(v, fmt) for v in values.values())
-    v = list(values.values())
-    return f"min {min(v):{fmt}} mean {sum(v) / len(v):{fmt}} max {max(v):{fmt}}"
+def roles_of(cfg: RunConfig) -> Roles:
+    """How many processes of each role the config asks for."""
+    return Roles(
+        trainers=cfg.trainer.world_size,
+        generators=cfg.run.num_generators,
+        rewards=cfg.run.num_rewards,
+        controllers=cfg.controller.num_controllers,
+        reward_engines=any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers),
+        tensor_parallel=cfg.generator.tensor_parallel,
+    )
 
 
-def table(cands: list[Candidate]) -> str:
-    """The candidates as a text table, and the pick."""
-    lines = []
-    for c in cands:
-        p = c.prediction
-        head = f"{c.layout:<14}"
-        if p is None:
-            lines.append(f"{head} refused: {c.refused}")
-            continue
-        counts = c.plan.counts() if c.plan is not None else {}
-        lines.append(f"{head} {p.step_s:8.3f} s/step   {describe(p)}")
-        lines.append(f"{'':14} processes  {' '.join(f'{r} {k}' for r, k in counts.items() if k)}")
-        lines.append(f"{'':14} idle share per slot  {_per_slot(p.idle_share, '.2f')}")
-        lines.append(f"{'':14} memory GiB per slot  {_per_slot({s: m / GIB for s, m in p.memory_bytes.items()}, '.3f')}")
-        if c.refused:
-            lines.append(f"{'':14} refused: {c.refused}")
-    pick = best(cands)
-    lines.append(f"pick: {finish(pick).reason}" if pick else "pick: none fits (see the refusals)")
-    return "\n".join(lines)
-
-
-def plan_main(args: argparse.Namespace) -> int:
-    config_path, overrides = split_items(args.items)
-    cfg = load_run_config(config_path, overrides)
-    cluster = this_machine(peak_flops=args.peak_flops, dtype=cfg.model.dtype, cpu_slots=cfg.placement.cpu_slots)
-    kind = cluster.slots[0].kind
-    costs = run_costs(cfg, cluster, args.measured)
-    sizes, workload = run_sizes(cfg, kind), run_workload(cfg, kind)
-    cands = candidates(cluster, sizes, costs, workload, roles_of(cfg), search=args.search)
-    print(f"cluster: {len(cluster.slots)} {kind} slots of {cluster.slots[0].memory_bytes / GIB:.2f} GiB, "
-          f"peak {cluster.peak_flops / 1e9:.1f} GFLOP/s per slot")
-    print(f"model: {sizes.policy_params / 1e6:.3g}M parameters; costs {'measured in ' + str(args.measured) if args.measured else 'estimated from FLOPs'}")
-    print(table(cands))
-    return 0
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``plan`` subcommand of ``python -m launch``."""
-    p = sub.add_parser("plan", help="print the three placement candidates of a run on this machine and the pick")
-    p.add_argument("items", nargs="*", metavar="CONFIG.yaml | dotted.key=value")
-    p.add_argument("--from", dest="measured", type=Path, default=None,
-                   help="a run dir whose metrics.jsonl calibrates the costs (default: estimated from FLOPs)")
-    p.add_argument("--peak-flops", type=float, default=None,
-                   help="FLOP/s of one slot (default: measured with a matmul for 0.3 s)")
-    p.add_argument("--search", action="store_true",
-                   help="let the planner choose how many generators and trainer ranks (default: the config's)")
-    p.set_defaults(main=plan_main)
+def make_plan(cfg: RunConfig, cluster: ClusterSpec) -> Plan:
+    """The plan of ``cfg.placement.layout`` on ``cluster`` with its predicted step time:
+    ``auto`` is the planner's pick; an explicit layout is placed as asked (``ConfigError``
+    when it cannot be, or does not fit in memory)."""
+    try:
+        return plan_for_run(cfg, cluster)
+    except LayoutError as e:
+        raise ConfigError(f"placement.layout={cfg.placement.layout}: {e}") from None

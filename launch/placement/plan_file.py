@@ -1,10 +1,9 @@
-"""The executor of placement: this machine's slots, the run's plan, and each role's share.
+"""The run's plan as a file: ``<run_dir>/plan.json``, and each role's share of it.
 
-The launcher asks ``make_plan`` for the plan before it starts anything (explicit layouts
-are assigned; ``auto`` asks the planner), writes it to ``<run_dir>/plan.json`` and prints
-it; every role process reads its own assignment back (``assignment_for``) and pins itself
-to its cores (``pin``) before it loads a model. The planner (``yatt.placement``) never
-imports this module.
+The launcher asks ``launch.placement.inputs.make_plan`` for the plan before it starts
+anything, writes it here (``write_plan``) and prints it (``describe``); every role process
+reads its own assignment back (``assignment_for``) and pins itself to its cores (``pin``)
+before it loads a model. The planner (``yatt.placement``) never imports this module.
 """
 
 from __future__ import annotations
@@ -13,36 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from launch.config import RunConfig
-from yatt.errors import ConfigError
-from yatt.placement.layouts import LayoutError, Roles
-from yatt.placement.plan import Assignment, ClusterSpec, Plan, plan_from_json
-
-PLAN_FILE = "plan.json"
-
-
-def roles_of(cfg: RunConfig) -> Roles:
-    """How many processes of each role the config asks for."""
-    return Roles(
-        trainers=cfg.trainer.world_size,
-        generators=cfg.run.num_generators,
-        rewards=cfg.run.num_rewards,
-        controllers=cfg.controller.num_controllers,
-        reward_engines=any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers),
-        tensor_parallel=cfg.generator.tensor_parallel,
-    )
-
-
-def make_plan(cfg: RunConfig, cluster: ClusterSpec) -> Plan:
-    """The plan of ``cfg.placement.layout`` on ``cluster`` with its predicted step time:
-    ``auto`` is the planner's pick; an explicit layout is placed as asked (``ConfigError``
-    when it cannot be, or does not fit in memory)."""
-    from launch.placement.inputs import plan_for_run
-
-    try:
-        return plan_for_run(cfg, cluster)
-    except LayoutError as e:
-        raise ConfigError(f"placement.layout={cfg.placement.layout}: {e}") from None
+from yatt.placement.plan import Assignment, Plan, plan_from_json
+from yatt.runtime import run_dir as names
 
 
 def describe(plan: Plan) -> str:
@@ -59,12 +30,12 @@ def describe(plan: Plan) -> str:
 
 
 def write_plan(plan: Plan, run_dir: Path) -> None:
-    (run_dir / PLAN_FILE).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+    (run_dir / names.PLAN).write_text(json.dumps(plan.to_json(), indent=1) + "\n")
 
 
 def read_plan(run_dir: Path) -> Plan | None:
     """The run's plan, or None for a run launched without one (SLURM places roles by node)."""
-    path = run_dir / PLAN_FILE
+    path = run_dir / names.PLAN
     if not path.exists():
         return None
     return plan_from_json(json.loads(path.read_text()))

@@ -227,12 +227,12 @@ def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(
         assert both.layout == "partial"
         seen["pid"] = driven.pid_of("generator-1")
         one = replace(both, assignments=tuple(a for a in both.assignments if (a.role, a.index) != ("generator", 1)))
-        driven.launcher.change_plan(one, "1 slots generate -> train (the test's)", 2)
+        driven.launcher.executor.change_plan(one, "1 slots generate -> train (the test's)", 2)
         await driven.logged(5)
         await driven.turn_taken(after=time.time())  # step 6 trains now, for 1 s more
         seen["parked_until"] = time.time()
-        assert 1 in driven.launcher.parked and not any(p.name == "generator-1" for p in driven.launcher.procs)
-        driven.launcher.change_plan(both, "1 slots train -> generate (the test's)", 5)
+        assert 1 in driven.launcher.executor.parked and not any(p.name == "generator-1" for p in driven.launcher.procs)
+        driven.launcher.executor.change_plan(both, "1 slots train -> generate (the test's)", 5)
         await driven.logged(6)
         seen["woken_pid"] = driven.pid_of("generator-1")
         return await driven.run
@@ -279,7 +279,7 @@ def test_a_colocated_run_switched_to_disaggregated_goes_on_from_the_checkpoint_i
         assert driven.launcher.cluster is not None
         roles = Roles(trainers=1, generators=3, rewards=len(colocated.of("reward")),
                       controllers=len(colocated.of("controller")))  # fmt: skip
-        driven.launcher.change_plan(assign("disaggregated", driven.launcher.cluster, roles), "layout colocated -> disaggregated (the test's)", 2)
+        driven.launcher.executor.change_plan(assign("disaggregated", driven.launcher.cluster, roles), "layout colocated -> disaggregated (the test's)", 2)
         return await driven.run
 
     assert asyncio.run(drive()) == 0

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from launch.config import load_run_config
-from launch.local import role_counts
-from launch.slurm import SlurmLauncher, allocation_nodes, cpus_per_node, node_address, plan_layout
+from launch.processes import role_counts
+from launch.slurm import SlurmLauncher, allocation_nodes, cpus_per_node, node_address
+from yatt.placement.nodes import plan_layout
 
 PROBE = (
     'touch "$PROBE_DIR/$SLURM_STEP_ID"; '

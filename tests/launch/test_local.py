@@ -15,8 +15,9 @@ import pytest
 
 import launch.local
 from launch.config import load_run_config
-from launch.local import LocalLauncher, Proc, role_threads
-from launch.placement.plan_file import make_plan
+from launch.local import LocalLauncher
+from launch.placement.inputs import make_plan
+from launch.processes import Proc, role_threads
 from yatt.placement.layouts import cpu_cluster, gpu_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ def test_a_role_deaf_to_sigterm_is_killed_after_the_grace_and_named(
         )
         assert popen.stdout is not None and popen.stdout.readline() == "up\n"  # its handler is set
         procs.append(Proc(role="reward" if name == "deaf" else "controller", index=index, popen=popen, log=tmp_path / f"{name}.log"))
-    asyncio.run(launcher._stop(procs))
+    asyncio.run(launcher.stop(procs))
     err = capsys.readouterr().err
     assert procs[0].popen.returncode == -signal.SIGKILL and procs[1].popen.returncode == -signal.SIGTERM
     assert "reward-0 did not stop within 0.5 s of SIGTERM; killing it" in err and "controller-1" not in err

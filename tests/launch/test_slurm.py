@@ -24,19 +24,19 @@ import pytest
 
 from launch.__main__ import main
 from launch.config import load_run_config
-from launch.local import latest_checkpoint, role_counts, trim_metrics
+from launch.prepare import latest_checkpoint, trim_metrics
+from launch.processes import role_counts
 from launch.slurm import (
     SlurmLauncher,
     check_head_ports,
     cpus_per_node,
-    placement_plan,
-    plan_layout,
     render_script,
     resolve_layout,
     set_aside_attempt,
 )
 from tests.learning import assert_default_job_learned
 from yatt.errors import ConfigError
+from yatt.placement.nodes import placement_plan, plan_layout
 from yatt.rl.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[2]

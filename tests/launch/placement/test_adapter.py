@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_run_config
-from launch.placement.adapter import keep_places, moved
 from workers.reward.worker import SLOW_ENV
 from yatt.errors import ConfigError
+from yatt.placement.changes import keep_places, moved
 from yatt.placement.layouts import Roles, assign, cpu_cluster, slot_share
 from yatt.runtime.trace import reward_slowdown
 
@@ -198,17 +198,17 @@ def test_a_new_trainer_group_waits_for_a_checkpoint_after_its_decision_and_never
     launcher.plan = assign("disaggregated", cluster, roles(2, 1))
     same_ranks = keep_places(launcher.plan, assign("disaggregated", cluster, roles(1, 2)))
     two_ranks = assign("disaggregated", cluster, Roles(trainers=2, generators=1, rewards=1, controllers=2, reward_engines=True))
-    assert launcher._plan_can_go(same_ranks, 3, logged=3) == "now"
-    assert launcher._plan_can_go(two_ranks, 3, logged=3) == "later"  # no checkpoint yet
+    assert launcher.executor.can_go(same_ranks, 3, logged=3) == "now"
+    assert launcher.executor.can_go(two_ranks, 3, logged=3) == "later"  # no checkpoint yet
 
     def checkpoint(step: int) -> None:
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
         (tmp_path / "checkpoints" / f"step_{step}" / "done").write_text("")
 
     checkpoint(3)
-    assert launcher._plan_can_go(two_ranks, 3, logged=3) == "later"  # not after the decision
+    assert launcher.executor.can_go(two_ranks, 3, logged=3) == "later"  # not after the decision
     checkpoint(5)
-    assert launcher._plan_can_go(two_ranks, 3, logged=3) == "later"  # step 4's line not written yet
-    assert launcher._plan_can_go(two_ranks, 3, logged=4) == "now"
+    assert launcher.executor.can_go(two_ranks, 3, logged=3) == "later"  # step 4's line not written yet
+    assert launcher.executor.can_go(two_ranks, 3, logged=4) == "now"
     checkpoint(10)
-    assert launcher._plan_can_go(two_ranks, 3, logged=9) == "never"
+    assert launcher.executor.can_go(two_ranks, 3, logged=9) == "never"

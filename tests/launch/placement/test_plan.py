@@ -13,17 +13,17 @@ import pytest
 
 from launch.__main__ import main
 from launch.config import dump_run_config, load_run_config
+from launch.placement.command import table
 from launch.placement.inputs import (
     TINY_CONFIG,
     measure_peak_flops,
     plan_for_run,
+    roles_of,
     run_costs,
     run_sizes,
     run_workload,
-    table,
     this_machine,
 )
-from launch.placement.plan_file import roles_of
 from yatt.errors import ConfigError
 from yatt.placement.costs import hf_param_count
 from yatt.placement.layouts import assign, cpu_cluster, gpu_cluster

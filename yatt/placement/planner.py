@@ -215,11 +215,19 @@ def in_flight(costs: StageCosts, workload: Workload, gen_slots: int, steps: int 
     return samples * steps / max(1, gen_slots)
 
 
+def steps_in_flight(layout: Layout, workload: Workload) -> int:
+    """Steps' worth of requests a generating slot holds (``q`` in the module docstring): 2 when
+    generation runs a step ahead of training (disaggregated with ``max_staleness`` >= 1, so the
+    next step's requests queue while this one trains), else 1."""
+    return 2 if layout == "disaggregated" and workload.max_staleness >= 1 else 1
+
+
 def stage_times(
     costs: StageCosts, workload: Workload, *, gen_slots: int, train_slots: int, queued_steps: int = 1
 ) -> tuple[float, float, float]:
     """Seconds per step of generation at full batch (G), of its tail, and of training (T) on
-    the given slot counts; ``queued_steps`` 2 when generation runs a step ahead."""
+    the given slot counts; ``queued_steps`` as ``steps_in_flight`` gives it (2: generation
+    runs a step ahead)."""
     accepted = workload.groups_per_step * workload.group_size
     tokens = accepted / costs.acceptance * costs.completion_mean
     per_token = gen_token_cost(costs, workload, in_flight(costs, workload, gen_slots, queued_steps))
@@ -250,9 +258,8 @@ def predict(plan: Plan, cluster: ClusterSpec, sizes: ModelSizes, costs: StageCos
     reward_slots = _slots_of(engines)
 
     samples = workload.groups_per_step * workload.group_size / costs.acceptance
-    ahead = 2 if plan.layout == "disaggregated" and workload.max_staleness >= 1 else 1
     gen, tail, train = stage_times(costs, workload, gen_slots=len(gen_slots), train_slots=len(train_slots),
-                                   queued_steps=ahead)
+                                   queued_steps=steps_in_flight(plan.layout, workload))
     engine_reward = samples * costs.reward_s / speedup(len(reward_slots), costs.gen_scaling) if engines else 0.0
     rule_reward = samples * costs.reward_s / rule_workers if rule_workers else 0.0
     sync = switch = 0.0

@@ -22,6 +22,7 @@ from yatt.placement.planner import (
     candidates,
     choose,
     predict,
+    steps_in_flight,
 )
 
 SMALL = ModelSizes(policy_params=1000, weight_bytes=4, train_bytes=16)
@@ -93,6 +94,15 @@ def test_disaggregated_overlaps_only_when_staleness_allows() -> None:
     overlapped = predict(plan, cluster, SMALL, COSTS, replace(WORK, max_staleness=1))
     assert overlapped.step_s == pytest.approx(max(0.8, 0.18 + 0.3))  # the tail is hidden too
     assert overlapped.idle_share == pytest.approx({0: 0.0, 1: 0.0, 2: 1 - 0.18 / 0.8, 3: 1 - 0.18 / 0.8})
+
+
+def test_only_a_stale_disaggregated_run_queues_a_second_step() -> None:
+    """Generation runs a step ahead only where it overlaps training; the planner and the
+    replanner both read this one rule."""
+    stale = replace(WORK, max_staleness=1)
+    assert steps_in_flight("disaggregated", stale) == 2
+    assert steps_in_flight("disaggregated", WORK) == 1
+    assert steps_in_flight("partial", stale) == steps_in_flight("colocated", stale) == 1
 
 
 def test_unpinned_processes_share_the_cores() -> None:

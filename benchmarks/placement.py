@@ -79,8 +79,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import LinePlot, Result, Series
+from yatt.errors import LayoutError
 from yatt.placement.adaptive import Replanner, StepTimes, SwitchCosts, pools
-from yatt.placement.layouts import LayoutError, Roles, assign, gpu_cluster
+from yatt.placement.layouts import Roles, assign, gpu_cluster
 from yatt.placement.plan import LAYOUTS, Layout, Plan
 from yatt.placement.planner import GIB, ModelSizes, StageCosts, Workload, candidates, ladder, predict
 from yatt.runtime import run_dir as names

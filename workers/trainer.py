@@ -194,7 +194,7 @@ class Trainer:
         self._trained = {"policy": (self.policy, *self._optimizer(self.policy, trainer.lr, total))}
         if self.critic is not None:
             self._trained["critic"] = (self.critic, *self._optimizer(self.critic, trainer.critic_lr, total))
-        self._loss_fn = _policy_loss_fn(algorithm.policy_loss)
+        self._loss_fn = rl_math.get_policy_loss(algorithm.policy_loss)
         self._loss_params = rl_math.LossParams(
             **{f.name: getattr(algorithm, f.name) for f in dataclasses.fields(rl_math.LossParams)}
         )
@@ -853,13 +853,6 @@ class _Batch:
     ref: Tensor | None = None  # reference log-probs
     old_values: Tensor | None = None  # critic values before the batch's updates
     returns: Tensor | None = None  # value targets (gae)
-
-
-def _policy_loss_fn(name: str) -> rl_math.PolicyLossFn:
-    try:
-        return rl_math.get_policy_loss(name)
-    except ValueError as e:
-        raise ConfigError(f"algorithm.policy_loss: {e}") from None
 
 
 def _device() -> torch.device:

@@ -5,13 +5,19 @@ can handle and nothing else::
 
     YattError
     ├── ConfigError        a bad config key or value; the message names the dotted field and the fix
+    │   ├── FieldError     one field's bad value (yatt.runtime.configtools; the path grows as it rises)
+    │   ├── PluginError    a 'package.module:function' value that does not load; says why, and the fix
+    │   └── SlurmError     a SLURM setup problem the user fixes (launch.slurm)
+    ├── LayoutError        a placement layout that cannot be laid out on the cluster (yatt.placement)
     ├── ProtocolError      a message that cannot be decoded or validated; names the field
     ├── TransportError     a socket-level failure (bind, connect, frame limits)
     │   └── PeerLost       a peer missed its heartbeats; its in-flight requests fail with this
     ├── RequestTimeout     a request got no reply in time
     ├── RemoteError        a handler on another actor raised; carries its type and traceback
     ├── ActorFailed        an actor process died or failed to start
-    └── Closed             an operation on a closed actor, stream or queue
+    ├── Closed             an operation on a closed actor, stream or queue
+    ├── StorageError       a durable write failed (disk full, I/O error); names the file
+    └── RunStopped         a role found the run cannot go on, and a restart would not help
 
 User mistakes raise with the fix in the message; ``assert`` is for internal invariants only.
 ``YattError`` and ``ProtocolError`` are defined in ``protocols.errors`` (the codec raises
@@ -26,13 +32,24 @@ from protocols.errors import (  # the bottom layer's, so the codec needs nothing
 )
 
 __all__ = [
-    "ActorFailed", "Closed", "ConfigError", "PeerLost", "ProtocolError", "RemoteError", "RequestTimeout",
-    "TransportError", "YattError",
+    "ActorFailed", "Closed", "ConfigError", "LayoutError", "PeerLost", "PluginError", "ProtocolError", "RemoteError",
+    "RequestTimeout", "TransportError", "YattError",
 ]  # fmt: skip
 
 
 class ConfigError(YattError):
     """A config key or value is wrong. The message names the dotted field and the fix."""
+
+
+class PluginError(ConfigError):
+    """A config value naming a user's function ('package.module:function') does not load:
+    malformed, its module does not import, no such attribute, or not callable. The message
+    names the field, the path, what went wrong and the fix (``yatt.runtime.plugins``)."""
+
+
+class LayoutError(YattError):
+    """A layout that cannot be laid out on the cluster's slots (too few, too small): says
+    what it needs and what to change."""
 
 
 class TransportError(YattError):

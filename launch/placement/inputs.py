@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import RunConfig, load_run_config
-from yatt.errors import ConfigError
+from yatt.errors import ConfigError, LayoutError
 from yatt.placement.costs import calibrate, estimate_costs, hf_param_count, model_sizes
-from yatt.placement.layouts import LayoutError, Roles, cpu_cluster, gpu_cluster, slot_share
+from yatt.placement.layouts import Roles, cpu_cluster, gpu_cluster, slot_share
 from yatt.placement.plan import ClusterSpec, Plan
 from yatt.placement.planner import (
     ModelSizes,

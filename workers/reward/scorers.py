@@ -63,6 +63,7 @@ from yatt.errors import ActorFailed, Closed, ConfigError
 from yatt.rl.config import RewardConfig, ScorerConfig
 from yatt.runtime import trace
 from yatt.runtime.lifetime import die_with_parent
+from yatt.runtime.plugins import load_plugin
 
 FAILURE_WINDOW = 64
 """The samples per scorer that reward.max_failure_share is judged over."""
@@ -203,14 +204,18 @@ class ReasoningGym:
         return float(_gym_score_fn(task)(extract_answer(sample.completion), entry))
 
 
+_CUSTOM_SCORER = (
+    "a function f(prompt, completion, metadata) -> float, or TRL's f(prompts, completions, **kwargs) -> "
+    "list[float], importable from the reward worker's Python path"
+)
+"""What ``reward.scorers[i].function`` must name, for ``load_plugin``'s errors."""
+
+
 @functools.cache
 def load_function(path: str) -> Callable[..., object]:
-    """Import ``package.module:function`` or ``package.module.function`` (once per process)."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    fn = getattr(importlib.import_module(module_name), attr)
-    if not callable(fn):
-        raise TypeError(f"{path} is a {type(fn).__name__}, not a function")
-    return fn  # type: ignore[no-any-return]
+    """A custom scorer's function, imported once per process (it is called per sample).
+    ``_rule`` has loaded it before, naming the scorer's field in any error."""
+    return load_plugin(path, field="reward.scorers[*].function", expects=_CUSTOM_SCORER)
 
 
 TRL_ARGUMENTS = ("prompts", "completions")
@@ -606,14 +611,7 @@ def _rule(config: ScorerConfig, field: str) -> Rule:
     if config.kind == "reasoning_gym":
         return ReasoningGym()
     assert config.kind == "custom", config.kind
-    try:
-        fn = load_function(config.function)
-    except (ImportError, AttributeError, ValueError, TypeError) as e:
-        raise ConfigError(
-            f"{field}.function = {config.function!r} cannot be imported ({type(e).__name__}: {e}); "
-            "use 'package.module:function' naming a function f(prompt, completion, metadata) -> float "
-            "importable from the reward worker's Python path"
-        ) from None
+    fn = load_plugin(config.function, field=f"{field}.function", expects=_CUSTOM_SCORER)
     try:
         return Custom(config.function, reward_signature(fn))
     except TypeError as e:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from yatt.placement.layouts import LayoutError, Roles, assign
+from yatt.errors import LayoutError
+from yatt.placement.layouts import Roles, assign
 from yatt.placement.plan import LAYOUTS, ClusterSpec, Layout, Plan
 from yatt.placement.planner import (
     ModelSizes,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+from yatt.errors import LayoutError
 from yatt.placement.plan import Assignment, ClusterSpec, Layout, Plan, Slot
 
 
@@ -64,10 +65,6 @@ def gpu_cluster(memory_bytes: list[int], cores: list[int], *, peak_flops: float 
         for i, m in enumerate(memory_bytes)
     )
     return ClusterSpec(slots=slots, peak_flops=peak_flops)
-
-
-class LayoutError(ValueError):
-    """A layout that cannot be placed on the cluster (the message says why)."""
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

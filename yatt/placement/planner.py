@@ -58,8 +58,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from yatt.errors import ConfigError
-from yatt.placement.layouts import LayoutError, Roles, assign
+from yatt.errors import ConfigError, LayoutError
+from yatt.placement.layouts import Roles, assign
 from yatt.placement.plan import LAYOUTS, Assignment, ClusterSpec, Layout, Plan
 
 GIB = float(1 << 30)

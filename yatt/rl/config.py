@@ -179,6 +179,11 @@ class RewardConfig:
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce")
 """The built-in ``algorithm.policy_loss`` names (``yatt.rl.rl_math.POLICY_LOSSES``)."""
 KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
+AggregationMode = Literal[
+    "token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+ImportanceKind = Literal["none", "tis", "mis"]
+ImportanceLevel = Literal["token", "sequence", "geometric"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,9 +214,7 @@ class AlgorithmConfig:
     """Upper clip range: ratio <= 1 + clip_high (DAPO clip-higher: 0.28; gmpo: log-ratio)."""
     dual_clip: float | None = 3.0
     """PPO dual clip constant c > 1 bounding the loss of negative advantages at -c A; null: off."""
-    aggregation: Literal[
-        "token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-    ] = "token_mean"
+    aggregation: AggregationMode = "token_mean"
     """How per-token losses make the step loss (seq_mean_token_sum_norm: Dr.GRPO's)."""
     aggregation_norm: float = 0.0
     """seq_mean_token_sum_norm's constant divisor (Dr.GRPO: the generation budget, e.g. max_new_tokens)."""
@@ -235,9 +238,9 @@ class AlgorithmConfig:
     """Adaptive KL controller: horizon in sequences."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (the loss subtracts entropy_coef * entropy)."""
-    importance_sampling: Literal["none", "tis", "mis"] = "none"
+    importance_sampling: ImportanceKind = "none"
     """Correct for train/rollout mismatch: truncated (tis) or masked (mis) importance weights."""
-    importance_level: Literal["token", "sequence", "geometric"] = "token"
+    importance_level: ImportanceLevel = "token"
     """Weight per token, per sequence (product of ratios), or their geometric mean; mis at sequence levels rejects sequences."""
     importance_cap: float = 2.0
     """TIS cap / MIS upper bound on the train-vs-rollout ratio."""

@@ -74,20 +74,19 @@ exactly, for any number of ranks and micro-batches (dividing per micro-batch wou
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
 
+from yatt.rl.config import AggregationMode as AggregationMode  # re-exported: the modes of loss_sum
+from yatt.rl.config import AlgorithmConfig, ImportanceKind, ImportanceLevel, KLEstimator
+from yatt.runtime.plugins import load_plugin
+
 Tensor = torch.Tensor
-AggregationMode = Literal[
-    "token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-]
-KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
-_KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
+_KL_ESTIMATORS = get_args(KLEstimator)
 
 # Largest logits chunk (elements) upcast at once in token_logprobs / entropy_from_logits:
 # 2**26 float32 values are 256 MiB, so a 150k vocabulary is processed ~450 tokens at a time.
@@ -366,6 +365,27 @@ def _masked_mean(x: Tensor, m: Tensor, n: Tensor) -> Tensor:
     return x.masked_fill(~m, 0.0).sum() / n
 
 
+def _loss_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Checked (mask, detached advantages [B, T], masked log-ratio [B, T]) of a policy loss.
+
+    ``advantages`` is [B, T], or [B] for one advantage per sequence (broadcast over tokens).
+    """
+    _require_ndim("logprobs", logprobs, 2, "token log-probs, [B, T]")
+    _require_same("old_logprobs", old_logprobs, "logprobs", logprobs)
+    m = _as_mask(mask, "logprobs", logprobs)
+    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
+        advantages = advantages[:, None].expand_as(logprobs)
+    _require_same("advantages", advantages, "logprobs", logprobs)
+    # Mask before exp: padding log-probs may be anything, and must not reach exp or the gradient.
+    log_ratio = (logprobs - old_logprobs.detach()).masked_fill(~m, 0.0)
+    return m, advantages.detach(), log_ratio
+
+
+def _check_clip(clip_low: float, clip_high: float) -> None:
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0 (got {clip_low}, {clip_high})")
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -373,8 +393,8 @@ def policy_loss(
     mask: Tensor,
     *,
     kind: Literal["ppo", "gspo"] = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    clip_low: float = AlgorithmConfig.clip_low,
+    clip_high: float = AlgorithmConfig.clip_high,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token clipped policy loss [B, T] (0 where mask is False) and float stats.
@@ -384,21 +404,12 @@ def policy_loss(
     clip_low_frac, clip_high_frac, dual_clip_frac, ratio_mean, ratio_max and approx_kl
     (k3 of KL(old || new)).
     """
-    _require_ndim("logprobs", logprobs, 2, "token log-probs, [B, T]")
-    _require_same("old_logprobs", old_logprobs, "logprobs", logprobs)
-    m = _as_mask(mask, "logprobs", logprobs)
-    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
-        advantages = advantages[:, None].expand_as(logprobs)
-    _require_same("advantages", advantages, "logprobs", logprobs)
-    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0 (got {clip_low}, {clip_high})")
+    m, adv, log_ratio = _loss_inputs(logprobs, old_logprobs, advantages, mask)
+    _check_clip(clip_low, clip_high)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 or None (got {dual_clip})")
     if kind not in ("ppo", "gspo"):
         raise ValueError(f"kind must be 'ppo' or 'gspo' (got {kind!r})")
-    adv = advantages.detach()
-    # Mask before exp: padding log-probs may be anything, and must not reach exp or the gradient.
-    log_ratio = (logprobs - old_logprobs.detach()).masked_fill(~m, 0.0)  # [B, T]
     if kind == "gspo":
         seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp(min=1)  # [B] log s_i
         # Value log s_i, gradient d logp_t: the GSPO-token form.
@@ -432,23 +443,6 @@ def policy_loss(
         ).tolist()  # one device sync for all stats
     names = ("clip_frac", "clip_low_frac", "clip_high_frac", "dual_clip_frac", "ratio_mean", "ratio_max")
     return loss, dict(zip((*names, "approx_kl"), values, strict=True))
-
-
-def _loss_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Checked (mask, detached advantages [B, T], masked log-ratio [B, T]) of a policy loss."""
-    _require_ndim("logprobs", logprobs, 2, "token log-probs, [B, T]")
-    _require_same("old_logprobs", old_logprobs, "logprobs", logprobs)
-    m = _as_mask(mask, "logprobs", logprobs)
-    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
-        advantages = advantages[:, None].expand_as(logprobs)
-    _require_same("advantages", advantages, "logprobs", logprobs)
-    log_ratio = (logprobs - old_logprobs.detach()).masked_fill(~m, 0.0)
-    return m, advantages.detach(), log_ratio
-
-
-def _check_clip(clip_low: float, clip_high: float) -> None:
-    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0 (got {clip_low}, {clip_high})")
 
 
 def _stats(m: Tensor, log_ratio: Tensor, **fractions: Tensor) -> dict[str, float]:
@@ -580,17 +574,18 @@ def reinforce_loss(
 
 @dataclass(frozen=True, kw_only=True)
 class LossParams:
-    """The knobs of the built-in policy losses (``algorithm.*`` of the same names)."""
+    """The knobs of the built-in policy losses: ``algorithm.*`` of the same names, whose
+    meaning and defaults ``AlgorithmConfig`` holds."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = 3.0
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    cov_ratio: float = 2e-4
-    cov_lb: float = 1.0
-    cov_ub: float = 5.0
-    kl_cov_coef: float = 1.0
+    clip_low: float = AlgorithmConfig.clip_low
+    clip_high: float = AlgorithmConfig.clip_high
+    dual_clip: float | None = AlgorithmConfig.dual_clip
+    tau_pos: float = AlgorithmConfig.tau_pos
+    tau_neg: float = AlgorithmConfig.tau_neg
+    cov_ratio: float = AlgorithmConfig.cov_ratio
+    cov_lb: float = AlgorithmConfig.cov_lb
+    cov_ub: float = AlgorithmConfig.cov_ub
+    kl_cov_coef: float = AlgorithmConfig.kl_cov_coef
 
 
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, LossParams], tuple[Tensor, dict[str, float]]]
@@ -617,22 +612,15 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """A built-in loss by name, or a user's ``package.module:function`` with PolicyLossFn's signature."""
+    """A built-in loss by name, or a user's ``package.module:function`` with PolicyLossFn's
+    signature; ``PluginError`` naming ``algorithm.policy_loss`` when that does not load."""
     if name in POLICY_LOSSES:
         return POLICY_LOSSES[name]
-    module_name, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        builtin = ", ".join(POLICY_LOSSES)
-        raise ValueError(f"{name!r} is neither a built-in loss ({builtin}) nor importable ({e})") from None
-    if not callable(fn):
-        raise ValueError(f"{name!r} is not a function")
-    return cast(PolicyLossFn, fn)
-
-
-ImportanceKind = Literal["none", "tis", "mis"]
-ImportanceLevel = Literal["token", "sequence", "geometric"]
+    expects = (
+        f"a built-in loss ({', '.join(POLICY_LOSSES)}) or a function f(logprobs, old_logprobs, "
+        "advantages, mask, params: LossParams) -> (per-token loss [B, T], stats: dict[str, float])"
+    )
+    return cast(PolicyLossFn, load_plugin(name, field="algorithm.policy_loss", expects=expects))
 
 
 def importance_weights(
@@ -778,7 +766,9 @@ def loss_count(mask: Tensor, *, mode: AggregationMode) -> Tensor:
     raise ValueError(_BAD_MODE.format(mode))
 
 
-def overlong_penalty(lengths: Tensor, *, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
+def overlong_penalty(
+    lengths: Tensor, *, max_new_tokens: int, buffer: int, penalty: float = AlgorithmConfig.overlong_penalty
+) -> Tensor:
     """DAPO soft overlong punishment [n] float from completion lengths [n]; buffer 0: zeros."""
     _require_ndim("lengths", lengths, 1, "one completion length per sample, [n]")
     if max_new_tokens < 1 or not 0 <= buffer <= max_new_tokens:

@@ -30,12 +30,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import logging
 import math
-from collections.abc import Callable
 from typing import Any, cast
 
 import msgpack
@@ -47,26 +45,14 @@ from protocols.messages import GroupKey, MicroBatch, ScoredGroup
 from yatt.errors import ConfigError, ProtocolError
 from yatt.rl.config import BufferConfig
 from yatt.rl.ledger import EVENT_STATUSES, GROUP_STATUSES, Ledger, Status
+from yatt.runtime.plugins import load_plugin
 
-Filter = Callable[[ScoredGroup], str]
 logger = logging.getLogger(__name__)
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
     """The seeded order in which epoch ``epoch`` visits the prompt indices."""
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(num_prompts)]
-
-
-def load_filter(path: str, field: str) -> Filter:
-    """Import ``module:function`` (or ``module.function``) for a custom filter."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{field} = {path!r} cannot be imported ({e}); use 'package.module:function'") from None
-    if not callable(fn):
-        raise ConfigError(f"{field} = {path!r} is not a function")
-    return fn  # type: ignore[no-any-return]
 
 
 def validate_group(group: ScoredGroup, group_size: int) -> None:
@@ -250,7 +236,15 @@ class SamplingBuffer:
         self.num_shards = num_shards
         self.seed = seed
         self.ledger = ledger
-        self._custom = load_filter(config.custom_filter, "buffer.custom_filter") if config.custom_filter else None
+        self._custom = (
+            load_plugin(
+                config.custom_filter,
+                field="buffer.custom_filter",
+                expects="a function f(group: ScoredGroup) -> str that returns '' to keep the group or why it drops it",
+            )
+            if config.custom_filter
+            else None
+        )
         self._orders: dict[int, list[int]] = {}
         self._positions: dict[int, dict[int, int]] = {}
         self.decided: dict[int, tuple[ScoredGroup, bool]] = {}  # g -> (group, accepted)

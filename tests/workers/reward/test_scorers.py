@@ -273,9 +273,9 @@ async def test_crashing_scorer_fails_alone(mixes: list[RewardMix]) -> None:
     ("function", "reason"),
     [
         ("tests.workers.no_such_module:f", "ModuleNotFoundError"),
-        (f"{FIXTURES}:no_such_function", "AttributeError"),
+        (f"{FIXTURES}:no_such_function", "has no attribute 'no_such_function'"),
         (f"{FIXTURES}:NOT_A_FUNCTION", "not a function"),
-        ("no_separator", "ValueError"),
+        ("no_separator", "is not of the form"),
     ],
 )
 def test_bad_custom_path_names_the_field(function: str, reason: str) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from yatt.placement.layouts import LayoutError, Roles, assign, cpu_cluster, gpu_cluster
+from yatt.errors import LayoutError
+from yatt.placement.layouts import Roles, assign, cpu_cluster, gpu_cluster
 
 ROLES = Roles(trainers=2, generators=1, rewards=1, controllers=2)
 GIB = 1 << 30

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from yatt.errors import PluginError
 from yatt.rl import rl_math as rm
 
 F64 = torch.float64
@@ -478,7 +479,7 @@ def test_policy_loss_registry_and_a_dotted_path() -> None:
 
     assert tuple(rm.POLICY_LOSSES) == POLICY_LOSSES
     assert rm.get_policy_loss("tests.yatt.rl.test_rl_math:my_loss") is my_loss
-    with pytest.raises(ValueError, match="neither a built-in loss"):
+    with pytest.raises(PluginError, match=r"algorithm\.policy_loss: .*nothing_here.* a built-in loss \(ppo, gspo"):
         rm.get_policy_loss("tests.yatt.rl.test_rl_math:nothing_here")
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from protocols.messages import GroupKey, ScoredGroup
-from yatt.errors import ConfigError
+from yatt.errors import ConfigError, PluginError
 from yatt.rl.config import BufferConfig
 from yatt.rl.ledger import Ledger
 from yatt.rl.sampling import SamplingBuffer, epoch_order, step_report
@@ -287,6 +287,12 @@ def test_a_snapshot_made_under_another_custom_filter_is_not_used(tmp_path: Path,
     monkeypatch.delitem(sys.modules, "my_filter")
     with pytest.raises(ConfigError, match="must not change across a restart"):
         make_buffer(tmp_path, "run.db", custom_filter="my_filter:keep").replay()
+
+
+def test_a_custom_filter_that_does_not_load_is_refused_naming_the_field(tmp_path: Path) -> None:
+    """``buffer.custom_filter`` loads through the one plug-in loader: its error names the field."""
+    with pytest.raises(PluginError, match=r"buffer\.custom_filter: 'no_such_filters:keep' cannot be imported"):
+        make_buffer(tmp_path, "run.db", custom_filter="no_such_filters:keep")
 
 
 def whole_state(buf: SamplingBuffer) -> dict[str, object]:

@@ -142,6 +142,14 @@ def run_role(cmd: list[str], env: dict[str, str], log: str) -> None:
     """In the forked child: become the process ``cmd`` would have started, then run its
     module as ``__main__`` (its ``sys.exit`` code is the process's exit code)."""
     os.setsid()  # signalled as a group, as start_new_session=True does
+    # A child of the server inherits its "forkserver" start method; a started role has the
+    # interpreter's default (fork on Linux), where a library's multiprocessing lock (tqdm's,
+    # made as transformers loads a model) is unlinked at once. Under "forkserver" it was a
+    # named semaphore registered with the launcher's resource tracker (every forked role
+    # shares it), and a role that died without cleaning up (SIGKILLed: a trainer group's
+    # restart, the kill after the grace) left the tracker to say, as the launcher exited,
+    # "There appear to be 1 leaked semaphore objects".
+    multiprocessing.set_start_method(None, force=True)
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)

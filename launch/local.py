@@ -11,7 +11,9 @@ registered (the READY handshake), then watches them::
                      is lost); a trainer rank that fails takes its group down, the buffer
                      rewinds to the last complete checkpoint and the group restarts from
                      it (a new incarnation, whose weights the generators take); each at
-                     most run.restart_limit times
+                     most run.restart_limit times, and not again after it failed twice the
+                     same way (the same error at the same line: a restart cannot fix it);
+                     a role whose error is a config or storage error stops the run at once
         re-planned : after each step, the pools' busy times and the step's metrics go to the
                      replanner (placement.adaptive, launch/placement/adapter.py; placement.jsonl); a
                      changed plan moves generator and reward-engine slots between two steps
@@ -38,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from launch.checks import check_against, check_config
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
 from launch.placement.adapter import Adapter
@@ -53,13 +56,16 @@ from launch.prepare import (
     warm_start_once,
     with_builtin_scorer_models,
     with_run_keys,
+    writing,
 )
 from launch.processes import (
     Proc,
+    failure_of,
     log_tail,
     loopback_interface,
     role_counts,
     role_threads,
+    same_failure,
     signal_group,
     stop_message,
     without_option,
@@ -74,6 +80,7 @@ from yatt.errors import (
     PeerLost,
     RemoteError,
     RequestTimeout,
+    StorageError,
     TransportError,
 )
 from yatt.placement.adaptive import SwitchCosts
@@ -124,6 +131,9 @@ class LocalLauncher:
         """Restarts of the trainer group in this run (its weight updates carry it)."""
         self._group_restarts = 0
         """Restarts of the trainer group after a rank failed (run.restart_limit); a re-planned regroup is not one."""
+        self._failures: dict[str, set[str]] = {}
+        """How each restarted role process (its name) and the trainer group ("trainer") last
+        failed (``failure_of``): a second failure the same way stops the run."""
         self.cluster: ClusterSpec | None = None
         self.executor = PlanExecutor(self, replan_from=checkpoint_step(resume) if resume is not None else 0)
         """Carries re-planned plans out between two steps (placement.adaptive)."""
@@ -204,7 +214,8 @@ class LocalLauncher:
         return bound
 
     async def run(self) -> int:
-        """Run to completion; 0 on success, 1 when a role failed, 2 on a config error, 130 on Ctrl-C."""
+        """Run to completion; 0 on success, 1 when a role failed or a write did (a full disk:
+        one line, the path and the free space there), 2 on a config error, 130 on Ctrl-C."""
         if self.resume is not None and checkpoint_step(self.resume) >= self.cfg.run.steps:
             print(
                 f"yatt: {self.run_dir} is done: its last checkpoint is step {checkpoint_step(self.resume)} of "
@@ -216,11 +227,16 @@ class LocalLauncher:
             self.fork_server.start()
         try:
             await self._check()
+            if self.plan is not None:
+                with writing(self.run_dir / names.PLAN):
+                    write_plan(self.plan, self.run_dir)
         except ConfigError as e:
             print(f"yatt: config error: {e}", file=sys.stderr, flush=True)
             return 2
+        except StorageError as e:
+            print(f"yatt: {e}", file=sys.stderr, flush=True)
+            return 1
         if self.plan is not None:
-            write_plan(self.plan, self.run_dir)
             print(f"yatt: {describe(self.plan)}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -248,7 +264,7 @@ class LocalLauncher:
                     if code == 0:
                         print(f"yatt: {finish_line(self.run_dir)}", flush=True)
                     return code
-            except (ActorFailed, ConfigError) as e:
+            except (ActorFailed, ConfigError, StorageError) as e:
                 print(f"yatt: {e}", file=sys.stderr, flush=True)
                 return 1
             finally:
@@ -258,14 +274,17 @@ class LocalLauncher:
     async def _check(self) -> None:
         """What can be checked before any process starts: the run dir, the model, the data
         (read and tokenised here once; the roles read these prompts back from
-        ``<run_dir>/prompts.msgpack``), the placement."""
+        ``<run_dir>/prompts.msgpack``), the placement, and what needs them together
+        (launch/checks.py). A failed write is a ``StorageError`` naming its path."""
         check_run_dir(self.run_dir, self.resume)
+        check_config(self.cfg)
         if failpoint := os.environ.get(trace.FAILPOINT_ENV):
             trace.parse_failpoint(failpoint)
         trace.reward_slowdown(self.run_dir)  # an injected workload shift, when asked for
         trace.training_slowdown(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / names.LOGS).mkdir(exist_ok=True)
+        with writing(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / names.LOGS).mkdir(exist_ok=True)
         self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
         self.cfg = await asyncio.to_thread(with_builtin_scorer_models, self.cfg, self.run_dir)
         from workers.reward.scorers import check_custom_scorers
@@ -277,15 +296,18 @@ class LocalLauncher:
         )  # the roles read them
         prompts = sets[0]
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
+        self.plan = await asyncio.to_thread(self.make_plan)
+        check_against(self.cfg, self.model_path, sets, self.world_size if self.processes().get("trainer") else 0)
         await asyncio.to_thread(warm_start_once, self.cfg, self.model_path, prompts)
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, checkpoint_step(self.resume))
         self.cfg = with_run_keys(self.cfg, self.run_dir)
-        dump_run_config(self.cfg, self.run_dir / names.CONFIG)
-        self.plan = await asyncio.to_thread(self.make_plan)
+        with writing(self.run_dir / names.CONFIG):
+            dump_run_config(self.cfg, self.run_dir / names.CONFIG)
 
     def spawn(self, role: str, index: int, restarts: int = 0) -> Proc:
         log = self.run_dir / names.LOGS / f"{role}-{index}.log"
+        log_from = log.stat().st_size if log.exists() else 0  # what this start writes comes after
         cmd, env = self.role_command(role, index), self.role_env(role, index)
         if role == "buffer" and restarts:  # a restart carries on from the ledger, it does not rewind
             cmd = without_option(cmd, "--resume")
@@ -295,7 +317,7 @@ class LocalLauncher:
         else:
             with log.open("ab") as out:
                 popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts)
+        return Proc(role=role, index=index, popen=popen, log=log, restarts=restarts, log_from=log_from)
 
     def role_command(self, role: str, index: int) -> list[str]:
         """The command line of one role process."""
@@ -412,7 +434,9 @@ class LocalLauncher:
     async def _exits(self, directory: Directory) -> Literal["done", "regrouped"] | None:
         """Each role process that exited since the last look: trainer rank 0 done ends the
         run; a role that stopped the run stops it; a restartable one is restarted; a failed
-        trainer rank restarts the trainer group (then the rest wait for the next look)."""
+        trainer rank restarts the trainer group (then the rest wait for the next look). A
+        role, or the group, that fails the same way as it did the last time (``failure_of``:
+        the same error raised at the same line) is not restarted again: the run stops."""
         for i, p in enumerate(self.procs):
             code = p.popen.poll()
             if code is None:
@@ -421,18 +445,27 @@ class LocalLauncher:
             if p.role == "trainer" and p.index == 0 and code == 0:
                 return "done"
             if code == RUN_STOPPED_EXIT:
-                raise ActorFailed(f"{p.name} stopped the run. {stop_message(p.log)}")
+                raise await self._stopped(f"{p.name} stopped the run (its log: {p.log}). {stop_message(p.log)}")
             if p.role in RESTARTABLE:
+                failure = failure_of(p)
+                if failure is not None and same_failure(failure, self._failures.get(p.name, set())):
+                    raise await self._stopped(self._failed_twice(p, failure))
                 if p.restarts >= self.cfg.run.restart_limit:
                     raise ActorFailed(
                         f"{p.name} died {p.restarts + 1} times (run.restart_limit={self.cfg.run.restart_limit}); "
                         f"last log ({p.log}):\n{log_tail(p.log)}"
                     )
-                print(f"yatt: {p.name} exited with code {code}; restarting it", file=sys.stderr, flush=True)
+                self._failures[p.name] = {failure} if failure is not None else set()
+                said = f" ({failure})" if failure is not None else ""
+                print(f"yatt: {p.name} exited with code {code}{said}; restarting it", file=sys.stderr, flush=True)
                 self.procs[i] = self.spawn(p.role, p.index, restarts=p.restarts + 1)
                 continue
             if p.role == "trainer" and code == 0:
                 continue  # a non-zero rank finished; rank 0 ends the run
+            failures = self._group_failures()
+            if repeated := [(q, f) for q, f in failures if same_failure(f, self._failures.get("trainer", set()))]:
+                raise await self._stopped(self._failed_twice(*repeated[0]))
+            self._failures["trainer"] = {f for _, f in failures}
             if self._group_restarts >= self.cfg.run.restart_limit:
                 raise ActorFailed(
                     f"{p.name} exited with code {code}, and the trainer group was restarted {self._group_restarts} "
@@ -440,13 +473,35 @@ class LocalLauncher:
                     f"`python -m launch run --resume {self.run_dir}`. Its log ({p.log}):\n{log_tail(p.log)}"
                 )
             self._group_restarts += 1
-            print(f"yatt: {p.name} exited with code {code}; its log ({p.log}):\n{log_tail(p.log, 10)}", file=sys.stderr, flush=True)
+            said = failure_of(p) or f"its log's end:\n{log_tail(p.log, 10)}"  # (its traceback stays in its log)
+            print(f"yatt: {p.name} exited with code {code}; its log: {p.log}; {said}", file=sys.stderr, flush=True)
             for q in self.procs:  # the rank that died first may come later in the list
                 if q is not p and q.role == "trainer" and (other := q.popen.poll()) is not None:
                     print(f"yatt: {q.name} exited with code {other} too", file=sys.stderr, flush=True)
             await self.restart_trainers(directory)
             return "regrouped"
         return None
+
+    def _group_failures(self) -> list[tuple[Proc, str]]:
+        """How the trainer ranks that exited failed (``failure_of``); none when one of them
+        died without saying (a signal: the OOM killer, a person), as the others' errors are
+        then what its death did to them (a collective that lost a peer), no fault of theirs."""
+        failed = [q for q in self.procs if q.role == "trainer" and q.popen.poll() not in (None, 0)]
+        failures = [(q, failure_of(q)) for q in failed]
+        return [] if any(f is None for _, f in failures) else [(q, f) for q, f in failures if f is not None]
+
+    @staticmethod
+    def _failed_twice(p: Proc, failure: str) -> str:
+        return (
+            f"{p.name} failed twice the same way, so the run stops (a restart would fail again): {failure}; "
+            f"its log: {p.log}"
+        )
+
+    async def _stopped(self, cause: str) -> ActorFailed:
+        """The run stops with ``cause``: every role is stopped first, so that the cause is
+        the last line the user sees (a role killed after the grace is named before it)."""
+        await self._stop_all()
+        return ActorFailed(cause)
 
     def outcome(self, directory: Directory) -> int | None:
         """The launcher's exit code once its work is done by another sign than trainer rank 0

@@ -5,18 +5,23 @@ every role loads; the built-in ones), ``with_builtin_scorer_models``, ``with_run
 (CURVE keys made once per run), ``warm_start_once`` (the tiny model's supervised warm
 start), ``trim_metrics`` (a resumed or rewound run drops the steps it trains again), and
 the checkpoints a run has (``latest_checkpoint``, ``checkpoint_step``).
+
+Each write here fails as one ``StorageError`` line naming the path and the free space there
+(``writing``), not as an ``OSError`` traceback: a full disk is a user's to fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.config import RunConfig
 from launch.placement.inputs import BUILTIN_TINY
-from yatt.errors import ConfigError
+from yatt.errors import ConfigError, storage_error
 from yatt.runtime import run_dir as names
 from yatt.runtime.transport import make_curve_keys
 
@@ -25,6 +30,18 @@ if TYPE_CHECKING:
 
 RUN_FILES = (names.METRICS, names.LEDGER)
 """What marks a run dir as holding a run (with a complete checkpoint): reusing it needs --resume."""
+KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized")
+"""What a CURVE keys directory holds (``make_curve_keys``): every role loads them at its start."""
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """A failed write to ``path`` (or a file under it) as a ``StorageError`` naming the file
+    (the path when the error names none, as a write to a full disk does) and the free space."""
+    try:
+        yield
+    except OSError as e:
+        raise storage_error(e.filename or path, e) from e
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -53,8 +70,9 @@ def with_run_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
     if not cfg.run.authenticate or cfg.transport.curve:
         return cfg
     keys = run_dir / names.KEYS
-    if not (keys / "server.key_secret").exists():
-        make_curve_keys(keys)
+    if not all((keys / name).exists() for name in KEY_FILES):  # (a resumed run's, made before: kept)
+        with writing(keys):
+            make_curve_keys(keys)
     return dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, curve=True, curve_keys_dir=str(keys)))
 
 
@@ -66,7 +84,8 @@ def trim_metrics(run_dir: Path, step: int) -> None:
         path = run_dir / name
         if path.exists():
             lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last]
-            path.write_text("".join(line + "\n" for line in lines))
+            with writing(path):
+                path.write_text("".join(line + "\n" for line in lines))
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
@@ -75,7 +94,9 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.model.path == "builtin:smollm2":
         from workers.models import export_smollm2
 
-        return export_smollm2(Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct")
+        exported = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
+        with writing(exported):
+            return export_smollm2(exported)
     if cfg.model.path.startswith("builtin:"):
         raise ConfigError(f"model.path {cfg.model.path!r}: the only built-in model is builtin:smollm2")
     if cfg.model.path:
@@ -85,7 +106,8 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
         return path
     from workers.models import build_tiny_model
 
-    return build_tiny_model(run_dir / "model", seed=cfg.run.seed)
+    with writing(run_dir / "model"):
+        return build_tiny_model(run_dir / "model", seed=cfg.run.seed)
 
 
 def with_builtin_scorer_models(cfg: RunConfig, run_dir: Path) -> RunConfig:
@@ -94,11 +116,12 @@ def with_builtin_scorer_models(cfg: RunConfig, run_dir: Path) -> RunConfig:
     unparsable verdicts, to try a judge's cost and placement on a CPU)."""
     from workers.models import build_tiny_model
 
-    scorers = [
-        dataclasses.replace(s, model_path=str(build_tiny_model(run_dir / f"scorer-{i}", seed=cfg.run.seed + 1 + i)))
-        if s.kind in ("reward_model", "judge") and s.model_path == BUILTIN_TINY else s
-        for i, s in enumerate(cfg.reward.scorers)
-    ]  # fmt: skip
+    with writing(run_dir):
+        scorers = [
+            dataclasses.replace(s, model_path=str(build_tiny_model(run_dir / f"scorer-{i}", seed=cfg.run.seed + 1 + i)))
+            if s.kind in ("reward_model", "judge") and s.model_path == BUILTIN_TINY else s
+            for i, s in enumerate(cfg.reward.scorers)
+        ]  # fmt: skip
     return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, scorers=scorers))
 
 
@@ -119,10 +142,11 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
             f"model.warm_start_steps = {steps} trains on the prompts' reference answers, but prompt {missing[0]} "
             "has no metadata 'answer'; set model.warm_start_steps=0"
         )
-    done = warm_start(
-        model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts],
-        steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
-    )
+    with writing(model_path):
+        done = warm_start(
+            model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts],
+            steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
+        )
     print(
         f"yatt: warm start: {steps} supervised steps on the answers of {len(prompts)} training prompts "
         f"(loss {done['loss_first']:.2f} -> {done['loss_last']:.2f}, {done['seconds']:.1f} s)",

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,14 @@ from yatt.placement.plan import Plan
 
 STACKS_S = 0.5
 """How long a role has to write its stacks to its log (``write_stacks``)."""
+FAILED_MARK = "yatt: failed: "
+"""Begins the last line a role that failed writes to its log (``launch.role.failed``): its
+error and where it was raised, what the launcher compares its failures by (``failure_of``)."""
+STOPPED_MARK = "yatt: the run cannot go on: "
+"""Begins what a role that stopped the run (``RUN_STOPPED_EXIT``) writes last: why."""
+FAILURE_TAIL_BYTES = 65536
+"""How much of the end of a role's log ``failure_of`` reads (its line is the last but a few)."""
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 @dataclass
 class Proc:
@@ -35,6 +44,7 @@ class Proc:
     started: float = field(default_factory=time.monotonic)
     registered: bool = False  # seen in the directory (its pid)
     missing_since: float | None = None  # dropped from the directory (silent) while alive
+    log_from: int = 0  # where this start's part of its log begins (the log's size before it)
 
     @property
     def name(self) -> str:
@@ -83,8 +93,37 @@ def stop_message(path: Path) -> str:
     """What a role that stopped the run (RUN_STOPPED_EXIT) said: its log from its last
     "the run cannot go on" to the end (a scorer's traceback included)."""
     text = log_tail(path, 200)
-    marker = "yatt: the run cannot go on: "
-    return text[text.rindex(marker) + len("yatt: "):] if marker in text else text.splitlines()[-1] if text else ""
+    return text[text.rindex(STOPPED_MARK) + len("yatt: "):] if STOPPED_MARK in text else text.splitlines()[-1] if text else ""
+
+
+def failure_of(p: Proc) -> str | None:
+    """How role process ``p`` failed: the line it wrote last (``launch.role.failed``), its
+    error's type and first line and the file:line it was raised at, e.g. ``IndexError: index
+    out of range in self (at .../torch/nn/functional.py:2551)``; None when this start wrote
+    none (killed by a signal, or dead before ``launch.role.main`` could say).
+
+    Two failures of a role are the same when these lines are equal (hex addresses aside:
+    ``<object at 0x7f...>`` differs in every process). The role writes it from the exception
+    itself, the innermost of its causes (``raise ... from``): the error where it arose, not
+    the wrappers it travelled in (an ``ActorFailed`` carries a group key, a traceback in its
+    message). That is sturdier than reading back the traceback the log shows: a chained
+    one prints every cause, the actor's logger prints it once more, and the log is appended
+    to across starts, so only the part this start wrote (from ``p.log_from``) is read: a
+    start killed by a signal never takes an earlier start's failure for its own."""
+    try:
+        with p.log.open("rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(p.log_from, size - FAILURE_TAIL_BYTES))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [line for line in text.splitlines() if line.startswith(FAILED_MARK)]
+    return lines[-1][len(FAILED_MARK):] if lines else None
+
+
+def same_failure(failure: str, others: set[str]) -> bool:
+    """Whether ``failure`` (``failure_of``) is one of ``others``, hex addresses aside."""
+    return _ADDRESS.sub("0x", failure) in {_ADDRESS.sub("0x", other) for other in others}
 
 
 def loopback_interface(host: str) -> str | None:

@@ -19,16 +19,18 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.config import RunConfig, load_run_config
 from launch.placement.plan_file import assignment_for, pin, read_plan, world_size_of
-from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, RunStopped
+from launch.processes import FAILED_MARK, STOPPED_MARK
+from yatt.errors import RUN_STOPPED_EXIT, ConfigError, RunStopped, StorageError
 from yatt.runtime import run_dir as names
 from yatt.runtime import trace
-from yatt.runtime.actor import Actor
+from yatt.runtime.actor import Actor, cancel
 from yatt.runtime.lifetime import die_with_parent
 from yatt.runtime.registry import Directory, Registration
 from yatt.runtime.transport import Transport
@@ -109,9 +111,7 @@ async def _serve(
             if until is not None:
                 waits.append(asyncio.ensure_future(until()))
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await cancel(pending)
             for task in done:
                 task.result()  # re-raise a failure of the role's own work
     finally:
@@ -245,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("YATT_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {args.role}-{args.index} %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        _run(args)
+    except Exception as e:
+        return failed(e)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
+    """Serve the role ``args`` name until it stops."""
     cfg = load_run_config(args.run_dir / names.CONFIG)
     pin(assignment_for(read_plan(args.run_dir), args.role, args.index))  # before any model loads
     role_main = _MAINS[args.role]
@@ -267,14 +276,43 @@ def main(argv: list[str] | None = None) -> int:
         async with Transport(cfg.transport) as transport:
             await role_main(cfg, args, transport, stop)
 
-    try:
-        asyncio.run(run())
-    except ActorFailed as e:
-        if isinstance(e.__cause__, RunStopped):  # not a crash: say why, and that a restart won't help
-            print(f"yatt: the run cannot go on: {e.__cause__}", file=sys.stderr, flush=True)
-            return RUN_STOPPED_EXIT
-        raise
-    return 0
+    asyncio.run(run())
+
+
+def failed(error: Exception) -> int:
+    """Say how this role failed, last in its log (stderr), and return its exit code.
+
+    A failure a restart cannot fix, ``error`` or one of its causes (``raise ... from``: an
+    actor's ``ActorFailed`` carries its task's error so) a ``RunStopped``, a ``ConfigError``
+    or a ``StorageError`` (a full disk stays full): ``yatt: the run cannot go on: <why>``
+    and ``RUN_STOPPED_EXIT``, the launcher stops the run with that line. Any other: its
+    traceback, then ``yatt: failed: <error> (at <file>:<line>)`` of its innermost cause,
+    by which the launcher tells a failure that repeats (``launch.processes.failure_of``), and 1.
+    """
+    chain: list[BaseException] = [error]
+    while (cause := chain[-1].__cause__) is not None and cause not in chain:
+        chain.append(cause)
+    hopeless = next((e for e in chain if isinstance(e, (RunStopped, ConfigError, StorageError))), None)
+    if isinstance(hopeless, RunStopped):  # not a crash: its message says why (a scorer's traceback included)
+        print(f"{STOPPED_MARK}{hopeless}", file=sys.stderr, flush=True)
+        return RUN_STOPPED_EXIT
+    traceback.print_exception(error)
+    if hopeless is not None:
+        print(f"{STOPPED_MARK}{_first_line(hopeless) or type(hopeless).__name__}", file=sys.stderr, flush=True)
+        return RUN_STOPPED_EXIT
+    root = chain[-1]
+    kind = type(root).__qualname__ if type(root).__module__ == "builtins" else f"{type(root).__module__}.{type(root).__qualname__}"
+    frames = traceback.extract_tb(root.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = _first_line(root)
+    print(f"{FAILED_MARK}{kind}{': ' + text if text else ''}{where}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message ("" when it has none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ them) and re-exported here.
 
 from __future__ import annotations
 
+import errno
+import shutil
+from pathlib import Path
+
 from protocols.errors import (  # the bottom layer's, so the codec needs nothing above it
     ProtocolError,
     YattError,
@@ -93,11 +97,33 @@ class StorageError(YattError):
 
 
 def storage_error(path: object, error: BaseException) -> StorageError:
-    """A ``StorageError`` for a failed write to ``path``, in plain words when the disk is full."""
-    text = str(error)
-    if "full" in text.lower() or getattr(error, "errno", None) == 28:
-        return StorageError(f"no space left on device writing {path} ({text}); free space there, then resume")
-    return StorageError(f"cannot write {path} ({type(error).__name__}: {text})")
+    """A ``StorageError`` for a failed write to ``path``, in one line: the path, why (in
+    plain words when the disk is full) and the free space on its file system (that of the
+    nearest existing parent: a directory not made yet still tells)."""
+    text = " ".join(str(error).split())
+    free = _free_space(Path(str(path)))
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in text.lower():
+        return StorageError(
+            f"no space left on device writing {path} ({text}); {free}: free space there, then resume "
+            "(a run without a checkpoint yet: start it again)"
+        )
+    return StorageError(f"cannot write {path} ({type(error).__name__}: {text}); {free}")
+
+
+def _free_space(path: Path) -> str:
+    """'<size> free in <dir>' of the nearest existing parent of ``path`` (itself, if it exists)."""
+    for where in (path, *path.parents):
+        try:
+            free = float(shutil.disk_usage(where).free)
+        except OSError:  # not there (yet), or not ours to look at: its parent tells
+            continue
+        unit = "B"
+        for larger in ("KiB", "MiB", "GiB", "TiB"):
+            if free < 1024:
+                break
+            free, unit = free / 1024, larger
+        return f"{free:.0f} {unit} free in {where}" if unit == "B" else f"{free:.1f} {unit} free in {where}"
+    return "free space unknown"
 
 
 class RunStopped(YattError):

@@ -480,3 +480,34 @@ def test_a_run_without_a_new_step_stops_with_each_roles_state_and_where_it_waits
         assert "asyncio tasks (SIGUSR1)" in (run_dir / "logs" / f"{role}.log").read_text(errors="replace"), role
     trainer = (run_dir / "logs" / "trainer-0.log").read_text(errors="replace")
     assert "most recent call first" in trainer and "in _step" in trainer and "await asyncio.sleep(self._slow.seconds" in trainer, trainer[-3000:]
+
+
+@pytest.mark.parametrize(("role", "failpoint"), [("trainer-1", "step:2"), ("buffer-0", "ledger_commit:60")])
+def test_a_role_that_fails_twice_the_same_way_stops_the_run_with_the_cause_last(tmp_path: Path, role: str, failpoint: str) -> None:
+    """Trainer rank 1 (as it enters its second step) or the buffer (its 60th ledger commit,
+    steps after READY) raises in every start (a ``raise`` failpoint: a bug at one line).
+    The launcher restarts it once (the trainer group, from the start); the same failure
+    again stops the run at once (not after run.restart_limit restarts), exit 1, with the
+    error and where it was raised as the last line, its traceback in the role's log only."""
+    run_dir = tmp_path / "repeats"
+    spec = f"{role}:{failpoint}:raise"
+    # Disaggregated: a colocated rank's engine can hang in its close after the failure (its
+    # batching task misses its cancellation, Python 3.11's wait_for), be killed as hung, and
+    # a death by a signal is never taken for a repeat.
+    proc = launch(run_dir, "run.steps=40", "placement.layout=disaggregated", failpoint=spec)
+    code = proc.wait(timeout=600)
+    said = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text(errors="replace")
+    assert code == 1, said[-3000:]
+    restarted = "restarting the trainer group" if role.startswith("trainer") else f"{role} exited with code 1 ("
+    assert said.count(restarted) == 1 and said.count("restarting") == 1, said[-3000:]
+    log = run_dir / "logs" / f"{role}.log"
+    trace_py = ROOT / "yatt" / "runtime" / "trace.py"
+    raised_at = next(i for i, line in enumerate(trace_py.read_text().splitlines(), 1) if "raise InjectedFailure(" in line)
+    kind, nth = failpoint.split(":")
+    failure = f"yatt.runtime.trace.InjectedFailure: failpoint {spec}: raised entering span '{kind}' #{nth} (at {trace_py}:{raised_at})"
+    assert said.strip().splitlines()[-1] == (
+        f"yatt: {role} failed twice the same way, so the run stops (a restart would fail again): {failure}; its log: {log}"
+    ), said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    text = log.read_text(errors="replace")
+    assert text.count(f"yatt: failed: {failure}") == 2 and "Traceback" in text

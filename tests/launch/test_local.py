@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from launch.config import load_run_config
 from launch.local import LocalLauncher
 from launch.placement.inputs import make_plan
 from launch.processes import Proc, role_threads
+from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, PeerLost
 from yatt.placement.layouts import cpu_cluster, gpu_cluster
+from yatt.runtime.actor import cancel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,3 +140,137 @@ asyncio.run(main())
     # The whole chain of awaits, down to the event it waits on (print_stack would stop at the first).
     assert "task 'fetch':\n  File \"<string>\", line 6, in waits_for_a_micro_batch\n" in stacks, stacks
     assert "locks.py\", line" in stacks.split("task 'fetch':")[1] and "await fut" in stacks, stacks
+
+
+class ScriptLauncher(LocalLauncher):
+    """A launcher whose role processes run ``script`` (through ``launch.role.failed``, as a
+    role's ``main`` does), each start counted in ``<run_dir>/starts``."""
+
+    def __init__(self, run_dir: Path, script: str, *overrides: str) -> None:
+        super().__init__(load_run_config(None, ["run.fork_roles=false", *overrides]), run_dir)
+        self.script = script
+        (run_dir / "logs").mkdir(parents=True)
+
+    def role_command(self, role: str, index: int) -> list[str]:
+        starts = self.run_dir / "starts"
+        count = f"from pathlib import Path\np = Path({str(starts)!r})\nn = len(p.read_text()) if p.exists() else 0\np.write_text('x' * (n + 1))\n"
+        return [sys.executable, "-c", count + textwrap.dedent(self.script)]
+
+    async def watch(self, role: str) -> None:
+        """Start one ``role`` process and handle its exits until the run stops."""
+        self.procs = [self.spawn(role, 0)]
+        while True:
+            await self._exits(None)  # type: ignore[arg-type]  # (used only to restart the trainer group)
+            await asyncio.sleep(0.05)
+
+
+FAILS = """
+    import sys
+    from launch.role import failed
+    def load(n):
+        {raise_it}
+    try:
+        load(n)
+    except Exception as e:
+        sys.exit(failed(e))
+"""
+
+
+def test_a_role_that_fails_twice_the_same_way_is_not_restarted_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same error at the same line after a restart stops the run at once (not after
+    run.restart_limit restarts), its line last, the traceback left in the role's log."""
+    launcher = ScriptLauncher(tmp_path, FAILS.format(raise_it="raise IndexError('index out of range in self')"))
+    with pytest.raises(ActorFailed) as stopped:
+        asyncio.run(asyncio.wait_for(launcher.watch("buffer"), 120))
+    assert launcher.procs[0].restarts == 1 and (tmp_path / "starts").read_text() == "xx"
+    log = tmp_path / "logs" / "buffer-0.log"
+    assert str(stopped.value) == (
+        "buffer-0 failed twice the same way, so the run stops (a restart would fail again): "
+        f"IndexError: index out of range in self (at <string>:9); its log: {log}"
+    )
+    err = capsys.readouterr().err
+    assert "yatt: buffer-0 exited with code 1 (IndexError: index out of range in self (at <string>:9)); restarting it" in err
+    assert "Traceback" not in err and log.read_text().count("Traceback (most recent call last)") == 2
+
+
+def test_a_role_that_fails_another_way_each_time_is_restarted_to_the_limit(tmp_path: Path) -> None:
+    """Failures that differ (here the message) are restarted as before, up to run.restart_limit."""
+    launcher = ScriptLauncher(tmp_path, FAILS.format(raise_it="raise ValueError(f'start {n}')"), "run.restart_limit=2")
+    with pytest.raises(ActorFailed, match="reward-0 died 3 times"):
+        asyncio.run(asyncio.wait_for(launcher.watch("reward"), 120))
+    assert launcher.procs[0].restarts == 2 and (tmp_path / "starts").read_text() == "xxx"
+
+
+def test_a_role_killed_twice_by_a_signal_is_restarted(tmp_path: Path) -> None:
+    """A start that dies without a word (SIGKILL) is not taken for the same failure as the
+    one before it, even with that one's line still in its log."""
+    script = FAILS.format(raise_it="raise IndexError('index out of range in self')").replace(
+        "    try:", "    if n > 0:\n        import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n    try:"
+    )
+    launcher = ScriptLauncher(tmp_path, script, "run.restart_limit=2")
+    with pytest.raises(ActorFailed, match="controller-0 died 3 times"):
+        asyncio.run(asyncio.wait_for(launcher.watch("controller"), 120))
+    assert (tmp_path / "starts").read_text() == "xxx"
+
+
+def test_a_storage_error_in_a_role_stops_the_run_with_one_line(tmp_path: Path) -> None:
+    """A full disk, the cause of the actor's failure: the role exits RUN_STOPPED_EXIT at the
+    first failure, its log holds the traceback, the run stops with its one line."""
+    storage = FAILS.format(
+        raise_it="from yatt.errors import ActorFailed, storage_error\n"
+        "        try:\n"
+        "            raise OSError(28, 'No space left on device')\n"
+        "        except OSError as e:\n"
+        "            raise ActorFailed('buffer failed:\\nTraceback ...') from storage_error('/runs/x/ledger.db', e)"
+    )
+    launcher = ScriptLauncher(tmp_path, storage)
+    with pytest.raises(ActorFailed) as stopped:
+        asyncio.run(asyncio.wait_for(launcher.watch("buffer"), 120))
+    assert launcher.procs[0].restarts == 0
+    log = tmp_path / "logs" / "buffer-0.log"
+    said = str(stopped.value)
+    assert said.startswith(
+        f"buffer-0 stopped the run (its log: {log}). the run cannot go on: no space left on device writing /runs/x/ledger.db"
+    ), said
+    assert "\n" not in said and "free space there" in said, said
+    assert "Traceback (most recent call last)" in log.read_text()
+
+
+def test_a_config_error_in_a_role_exits_run_stopped_with_the_field(tmp_path: Path) -> None:
+    """``python -m launch.role`` itself: a config error anywhere in it is a failure no
+    restart fixes: RUN_STOPPED_EXIT, the field and the fix as its last line."""
+    (tmp_path / "config.yaml").write_text("buffer:\n  max_staleness: -1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.role", "buffer", "--run-dir", str(tmp_path), "--registry", "tcp://127.0.0.1:1",
+         "--model-path", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == RUN_STOPPED_EXIT, done.stderr
+    assert "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.splitlines()[-1] == "yatt: the run cannot go on: buffer.max_staleness must be >= 0 (got -1)"
+
+
+def test_a_stopping_role_cancels_again_a_task_that_went_on_after_its_cancellation() -> None:
+    """Python 3.11's ``asyncio.wait_for``, cancelled in the turn the request it waits on
+    fails, raises the request's error instead (gh-86296): a controller re-issued its
+    buffer request as the buffer stopped with it, waited for a buffer that never came
+    back, and was killed after the launcher's 15 s grace. A role cancels it again."""
+
+    async def stop_while_a_request_fails() -> bool:
+        reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        retried = asyncio.Event()
+
+        async def request() -> None:  # as Controller._call: a request to a lost peer is re-issued
+            try:
+                await asyncio.wait_for(reply, 300)
+            except PeerLost:
+                retried.set()
+                await asyncio.Event().wait()  # a live buffer, which never comes
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0)
+        reply.set_exception(PeerLost("buffer-0", "left the directory"))  # the buffer stops...
+        await asyncio.wait_for(cancel({task}), 60)  # ...in the turn this role's SIGTERM comes
+        return task.cancelled() and retried.is_set()
+
+    assert asyncio.run(stop_while_a_request_fails()) == (sys.version_info < (3, 12))

@@ -7,6 +7,7 @@ loads YAML data into them and rejects unknown keys and bad values by dotted name
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -149,6 +150,23 @@ class ScorerConfig:
         )
         require(self.judge_samples >= 1, "judge_samples", f"must be >= 1 (got {self.judge_samples})")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1 (got {self.batch_size})")
+        require(
+            self.judge_max_new_tokens >= 1, "judge_max_new_tokens", f"must be >= 1 (got {self.judge_max_new_tokens})"
+        )
+        if self.kind == "format_regex":
+            try:
+                re.compile(self.pattern, re.DOTALL)
+            except re.error as e:
+                require(False, "pattern", f"= {self.pattern!r} is not a valid regex ({e})")
+        if self.kind == "judge" and self.judge_template:
+            try:
+                self.judge_template.format(prompt="", completion="", answer="")
+            except (KeyError, IndexError, ValueError) as e:
+                require(
+                    False, "judge_template",
+                    f"is not a valid template ({type(e).__name__}: {e}); use only {{prompt}}, {{completion}} and "
+                    "{answer}, and write other braces doubled: {{ }}",
+                )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +192,12 @@ class RewardConfig:
         require(self.max_batch >= 1, "max_batch", f"must be >= 1 (got {self.max_batch})")
         require(0 <= self.max_failure_share <= 1, "max_failure_share", f"must be in [0, 1] (got {self.max_failure_share})")
         require(self.processes >= 1, "processes", f"must be >= 1 (got {self.processes})")
+        names = [sc.name or sc.kind for sc in self.scorers]
+        for i, name in enumerate(names):
+            require(
+                name not in names[:i], f"scorers[{i}].name",
+                f"{name!r} is already used by reward.scorers[{names.index(name)}]; give each scorer a distinct name",
+            )  # fmt: skip
 
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce")
@@ -388,7 +412,11 @@ class TrainerConfig:
         require(self.threads >= 0, "threads", f"must be >= 0, 0 for the cores / world size (got {self.threads})")
         require(self.world_size >= 1, "world_size", f"must be >= 1 (got {self.world_size})")
         require(self.lr > 0, "lr", f"must be > 0 (got {self.lr})")
-        require(len(self.betas) == 2, "betas", f"must be two numbers (got {self.betas})")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
+            f"must be two numbers in [0, 1), AdamW's (got {self.betas})",
+        )  # fmt: skip
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0 (got {self.weight_decay})")
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0 (got {self.warmup_steps})")
         require(self.total_steps >= 0, "total_steps", f"must be >= 0 (got {self.total_steps})")
         require(self.grad_clip >= 0, "grad_clip", f"must be >= 0, 0 for no clipping (got {self.grad_clip})")
@@ -429,6 +457,7 @@ class ControllerConfig:
         require(self.num_controllers >= 1, "num_controllers", f"must be >= 1 (got {self.num_controllers})")
         require(self.temperature >= 0, "temperature", f"must be >= 0 (got {self.temperature})")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (got {self.top_p})")
+        require(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (off) or >= 1 (got {self.top_k})")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1 (got {self.max_new_tokens})")
         require(self.max_attempts >= 1, "max_attempts", f"must be >= 1 (got {self.max_attempts})")
         require(self.request_timeout_s > 0, "request_timeout_s", f"must be > 0 seconds (got {self.request_timeout_s})")
@@ -464,11 +493,33 @@ class BufferConfig:
     of groups (groups_per_step each) in a row are all filtered, the buffer acts as on_stall
     says (warning at half the bound); 0: no bound."""
     on_stall: Literal["error", "train"] = "error"
-    """At the bound: stop the run with the filter reasons, the reward statistics and what to
-    change (error), or train on the filtered groups until one is accepted again (train;
+    """At a bound (max_filtered_batches, min_acceptance): stop the run with the filter reasons,
+    the reward statistics and what to change (error), or train on the filtered groups until
+    one is accepted again, or acceptance is back at the floor (train;
     all-equal groups carry zero advantages, so only the KL and entropy terms act)."""
+    min_acceptance: float = 0.05
+    """The floor on dynamic sampling's acceptance (a crawl that max_filtered_batches misses:
+    a few groups accepted now and then): below it over the last acceptance_window groups, the
+    buffer acts as on_stall says (error: the run stops with the filter, the rewards and what
+    to change; train: filtered groups are trained until it is back). 0.05: each trained group
+    then costs over 20 generated ones, while healthy runs accept far more (the default job
+    60-100%, a SmolLM2 arithmetic run ~40%, ~14% at its first step: never below 0.05 over 200
+    groups by chance); 0: no floor."""
+    acceptance_window: int = 200
+    """The groups (the last ones decided, in prompt order) over which min_acceptance is
+    measured; nothing is judged before this many were decided."""
 
     def __post_init__(self) -> None:
+        require(
+            self.max_completion_tokens >= 0, "max_completion_tokens",
+            f"must be >= 0, 0 for no length filter (got {self.max_completion_tokens})",
+        )  # fmt: skip
+        require(
+            0 <= self.min_acceptance < 1,
+            "min_acceptance",
+            f"must be in [0, 1), 0 for no floor (got {self.min_acceptance})",
+        )
+        require(self.acceptance_window >= 1, "acceptance_window", f"must be >= 1 (got {self.acceptance_window})")
         require(
             self.max_filtered_batches >= 0,
             "max_filtered_batches",

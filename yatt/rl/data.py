@@ -32,7 +32,7 @@ from typing import Any, TypeAlias, cast
 
 import numpy as np
 
-from yatt.errors import ConfigError
+from yatt.errors import ConfigError, storage_error
 from yatt.rl.config import DataConfig
 from yatt.rl.tasks import TASKS
 
@@ -95,13 +95,18 @@ without transformers' tokenizer import: ~4 s less per buffer or controller start
 
 def write_prompt_sets(path: Path, config: DataConfig, tokenizer_path: str, sets: tuple[list[Prompt], list[Prompt]]) -> None:
     """``sets`` (``load_prompt_sets(config, tokenizer_path)``) to ``path``, atomically, keyed
-    by what they were made from."""
+    by what they were made from. ``StorageError`` (the path, the free space there) when the
+    write fails; nothing of it is left behind."""
     import msgpack
 
     rows = [[[p.index, p.prompt_ids, p.text, p.metadata] for p in prompts] for prompts in sets]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(msgpack.packb({"key": [repr(config), tokenizer_path], "sets": rows}))
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(msgpack.packb({"key": [repr(config), tokenizer_path], "sets": rows}))
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)  # a part written to a full disk is space the user needs back
+        raise storage_error(path, e) from e
 
 
 def read_prompt_sets(path: Path, config: DataConfig, tokenizer_path: str) -> tuple[list[Prompt], list[Prompt]] | None:

@@ -9,7 +9,9 @@ resumed run makes the same steps as an uninterrupted one::
     offer(group) ----> filter ----> decided[g]      (accepted | filtered; ledger first)
                                         |
     cursor walks g = 0, 1, 2, ... over decided positions (an undecided one blocks it):
-        filtered       -> skipped
+        filtered       -> skipped; past a bound on dynamic sampling (max_filtered_batches in a
+                          row, or acceptance below min_acceptance over the last
+                          acceptance_window groups) the run stops, or trains it (on_stall)
         accepted, stale for the step being assembled -> dropped, re-dispatched (attempt+1)
         accepted       -> joins the current wave; a full wave becomes one balanced
                           micro-batch per trainer rank, served at once (streaming)
@@ -34,6 +36,7 @@ import inspect
 import json
 import logging
 import math
+from collections import Counter, deque
 from typing import Any, cast
 
 import msgpack
@@ -48,6 +51,9 @@ from yatt.rl.ledger import EVENT_STATUSES, GROUP_STATUSES, Ledger, Status
 from yatt.runtime.plugins import load_plugin
 
 logger = logging.getLogger(__name__)
+
+CUSTOM_FILTER = "a function f(group: ScoredGroup) -> str that returns '' to keep the group or why it drops it"
+"""What ``buffer.custom_filter`` must name."""
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
@@ -240,7 +246,7 @@ class SamplingBuffer:
             load_plugin(
                 config.custom_filter,
                 field="buffer.custom_filter",
-                expects="a function f(group: ScoredGroup) -> str that returns '' to keep the group or why it drops it",
+                expects=CUSTOM_FILTER,
             )
             if config.custom_filter
             else None
@@ -264,7 +270,10 @@ class SamplingBuffer:
         self.version_ceiling: int | None = None  # after a rewind: newer versions were discarded
         self._reasons: dict[int, str] = {}  # g -> why a decided group was filtered
         self.filtered_run: list[tuple[str, float]] = []  # (reason, mean reward) since the last accepted group
-        self.stalled = ""  # set at the bound on dynamic sampling (on_stall=error): why the run cannot go on
+        # (why it was filtered, '' if accepted; mean reward) of the last acceptance_window groups the cursor passed
+        self.recent: deque[tuple[str, float]] = deque(maxlen=config.acceptance_window)
+        self._recent_accepted = 0  # groups of ``recent`` the filter accepted
+        self.stalled = ""  # set at a bound on dynamic sampling (on_stall=error): why the run cannot go on
         self.replayed_from = 0  # the ledger row of the snapshot ``replay`` started from (0: the first row)
         self._update_window()
 
@@ -411,10 +420,12 @@ class SamplingBuffer:
                 changed = True
                 continue
             reason = self._reasons.pop(g, "filtered")
-            if not accepted:
-                accepted = self._past_the_bound(group, reason)
-            else:
+            if accepted:
                 self.filtered_run = []
+                self._below_the_floor(group, "")
+            else:  # (the run of filtered groups first: its report is the one a run stops with)
+                past_the_bound = self._past_the_bound(group, reason)
+                accepted = self._below_the_floor(group, reason) or past_the_bound
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
             if self.step >= self._replayed_version:
                 self.step_groups.setdefault(self.step, []).append((_full(group), accepted))
@@ -461,6 +472,49 @@ class SamplingBuffer:
             f"min {float(means.min()):.3g}, mean {float(means.mean()):.3g}, max {float(means.max()):.3g}. Every sample of a group gets the same reward, so there is nothing to learn "
             "from: make the task easier (or harder, if every prompt is solved), raise buffer.group_size, use "
             "a reward with partial credit, set buffer.filter=none, or buffer.on_stall=train"
+        )
+
+    def _below_the_floor(self, group: ScoredGroup, reason: str) -> bool:
+        """Count a group the cursor passed (``reason``: why it was filtered, '' if accepted)
+        in the acceptance window; True if it is filtered and to be trained anyway because the
+        window's acceptance is below ``buffer.min_acceptance`` (on_stall=train)."""
+        if not self.config.min_acceptance:
+            return False  # (the window is not kept)
+        was_below = self.crawling
+        if len(self.recent) == self.recent.maxlen and not self.recent[0][0]:
+            self._recent_accepted -= 1
+        self.recent.append((reason, float(group.rewards.float().mean())))
+        self._recent_accepted += not reason
+        if not reason or not self.crawling:
+            return False
+        if self.config.on_stall == "train":
+            if not was_below and isinstance(self.ledger, Ledger):  # (not again in a replay)
+                logger.warning("buffer: %s; training on the filtered groups (buffer.on_stall=train)", self.crawl_report())
+            return True
+        self.stalled = self.stalled or self.crawl_report()
+        return False
+
+    @property
+    def crawling(self) -> bool:
+        """A whole window was decided and accepted less than ``buffer.min_acceptance`` of it."""
+        window = self.config.acceptance_window
+        return len(self.recent) == window and self._recent_accepted / window < self.config.min_acceptance
+
+    def crawl_report(self) -> str:
+        """Why dynamic sampling crawls (accepts a few groups), in a user's terms, and what to change."""
+        window, accepted = len(self.recent), self._recent_accepted
+        reasons = Counter(reason for reason, _ in self.recent if reason)
+        means = torch.tensor([m for _, m in self.recent])
+        filtered = torch.tensor([m for reason, m in self.recent if reason])
+        return (
+            f"dynamic sampling accepted {accepted} of the last {window} groups ({accepted / window:.0%}; floor: "
+            f"buffer.min_acceptance={self.config.min_acceptance} over buffer.acceptance_window={window} groups), "
+            f"{window / max(accepted, 1):.1f} groups generated per accepted one; filtered as "
+            f"{', '.join(f'{r!r}: {n}' for r, n in sorted(reasons.items()))}; group mean rewards: min "
+            f"{float(means.min()):.3g}, mean {float(means.mean()):.3g}, max {float(means.max()):.3g} (the filtered "
+            f"groups': mean {float(filtered.mean()):.3g}). Too few groups carry a learning signal: use a reward with "
+            "partial credit, make the task easier (or harder, if most prompts are solved), raise buffer.group_size, "
+            "set buffer.filter=none, lower buffer.min_acceptance (0: no floor), or buffer.on_stall=train"
         )
 
     def _may_assemble(self) -> bool:
@@ -616,7 +670,7 @@ class SamplingBuffer:
             "config": self._fingerprint,
             "cursor": self.cursor, "step": self.step, "wave_index": self.wave_index, "version": self.version,
             "ema": self.ema, "dispatch_end": self.dispatch_end, "version_ceiling": self.version_ceiling,
-            "stalled": self.stalled, "filtered_run": self.filtered_run,
+            "stalled": self.stalled, "filtered_run": self.filtered_run, "recent": list(self.recent),
             "attempts": sorted(self.attempts.items()),
             "decided": [[g, dataclasses.astuple(group.group_key), accepted] for g, (group, accepted) in sorted(self.decided.items())],
             "wave": keys(self.wave),
@@ -646,6 +700,8 @@ class SamplingBuffer:
         for name in ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "version_ceiling", "stalled"):
             setattr(self, name, snapshot[name])
         self.filtered_run = [(reason, mean) for reason, mean in snapshot["filtered_run"]]
+        self.recent.extend((reason, mean) for reason, mean in snapshot["recent"])
+        self._recent_accepted = sum(not reason for reason, _ in self.recent)
         self.attempts = {g: a for g, a in snapshot["attempts"]}
         for g, k, accepted in snapshot["decided"]:
             group, reason = groups[_key(k)]

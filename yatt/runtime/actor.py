@@ -31,7 +31,7 @@ import logging
 import math
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar, overload
@@ -54,6 +54,24 @@ _A = TypeVar("_A", bound="Actor")
 NO_REPLY = bytes(8)  # request id 0: nothing is due back
 _ACK_FRAMES = encode(Ack())  # the reply of every handler that returns None, encoded once
 _MARK = "_yatt_handles"
+RECANCEL_S = 1.0
+"""How long ``cancel`` waits for a task it cancelled before cancelling it again."""
+
+
+async def cancel(tasks: Collection[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until each is done, cancelling again those still running
+    after ``RECANCEL_S``: Python 3.11's ``asyncio.wait_for`` turns a cancellation that comes
+    as the awaitable it waits on completes into that awaitable's outcome (gh-86296, fixed in
+    3.12), and a task that retries on that outcome runs on. A controller whose request to
+    the buffer failed (``PeerLost``: the buffer stopping too) in the turn its own SIGTERM
+    came re-issued it and waited for a buffer that never came back, until the launcher
+    killed it after its 15 s grace: the 15 s a run sometimes took to stop after its last step."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+    await asyncio.gather(*tasks, return_exceptions=True)  # their errors retrieved (none logged as never retrieved)
 
 
 def request_id(n: int) -> bytes:
@@ -282,10 +300,7 @@ class Actor:
                 await self.on_stop()
         finally:
             current = asyncio.current_task()
-            tasks = [t for t in self._tasks if t is not current]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel([t for t in self._tasks if t is not current])
             if self._sock is not None:
                 self.transport.close_socket(self._sock)
             self._closed.set()

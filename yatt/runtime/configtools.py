@@ -89,7 +89,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {key}: {part} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ConfigError(
+                f"override {key.strip()}: {raw!r} is not a YAML value{where}; quote it or close its brackets"
+            ) from None
     return data
 
 

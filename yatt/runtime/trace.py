@@ -34,6 +34,9 @@ Failpoints: with ``YATT_FAILPOINT=PROCESS:KIND:N`` in its environment (e.g.
 N-th span of KIND, traced or not: how the faults benchmark and the kill tests land a kill
 inside a stage of a few milliseconds (a weight push, a checkpoint write). It fires once
 per run: a marker file in ``<run_dir>/failpoints`` keeps the restarted process running.
+``PROCESS:KIND:N:raise`` raises ``InjectedFailure`` there instead, in every start of the
+process (the marker is written, not read): a failure that a restart cannot fix, as a bug
+at one point of a role's code would be (the launcher stops the run after its first repeat).
 """
 
 from __future__ import annotations
@@ -120,9 +123,13 @@ def training_slowdown(run_dir: Path) -> SlowDown | None:
     return SlowDown.from_env(SLOW_TRAIN_ENV, run_dir / "failpoints" / "slow_train", "STEPS")
 
 
+class InjectedFailure(Exception):
+    """What a ``raise`` failpoint raises: the same error at the same point in every start."""
+
+
 class _Failpoint:
-    def __init__(self, spec: str, kind: str, nth: int, marker: Path) -> None:
-        self.spec, self.kind, self.nth, self.marker = spec, kind, nth, marker
+    def __init__(self, spec: str, kind: str, nth: int, marker: Path, *, raises: bool) -> None:
+        self.spec, self.kind, self.nth, self.marker, self.raises = spec, kind, nth, marker, raises
         self.entered = 0
 
     def enter(self) -> None:
@@ -132,6 +139,8 @@ class _Failpoint:
                 return
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             self.marker.write_text(f"{time.time()}\n")
+            if self.raises:
+                raise InjectedFailure(f"failpoint {self.spec}: raised entering span {self.kind!r} #{self.nth}")
             sys.stderr.write(f"failpoint {self.spec}: SIGKILL entering span {self.kind!r} #{self.nth}\n")
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -140,24 +149,28 @@ class _Failpoint:
 _failpoint: _Failpoint | None = None
 
 
-def parse_failpoint(spec: str) -> tuple[str, str, int]:
-    """``PROCESS:KIND:N`` -> (process, kind, n); ConfigError naming the variable otherwise."""
+def parse_failpoint(spec: str) -> tuple[str, str, int, bool]:
+    """``PROCESS:KIND:N[:raise]`` -> (process, kind, n, raises); ConfigError naming the variable otherwise."""
     parts = spec.split(":")
-    if len(parts) != 3 or not all(parts) or not parts[2].isdigit() or int(parts[2]) < 1:
+    if (
+        len(parts) not in (3, 4) or not all(parts) or not parts[2].isdigit() or int(parts[2]) < 1
+        or parts[3:] not in ([], ["raise"])
+    ):  # fmt: skip
         raise ConfigError(
-            f"{FAILPOINT_ENV}={spec!r}: expected PROCESS:SPAN_KIND:N with N >= 1, e.g. trainer-1:checkpoint_write:2"
+            f"{FAILPOINT_ENV}={spec!r}: expected PROCESS:SPAN_KIND:N with N >= 1, e.g. trainer-1:checkpoint_write:2 "
+            "(a SIGKILL once per run), or PROCESS:SPAN_KIND:N:raise (an exception in every start)"
         )
-    return parts[0], parts[1], int(parts[2])
+    return parts[0], parts[1], int(parts[2]), len(parts) == 4
 
 
 def arm_failpoint(spec: str, process: str, markers: Path) -> None:
-    """Arm ``spec`` in this process when it names ``process`` (``role-index``) and has not
-    fired in this run yet (no marker in ``markers``)."""
+    """Arm ``spec`` in this process when it names ``process`` (``role-index``) and, a kill,
+    has not fired in this run yet (no marker in ``markers``)."""
     global _failpoint
-    who, kind, nth = parse_failpoint(spec)
+    who, kind, nth, raises = parse_failpoint(spec)
     marker = markers / spec.replace(":", "_")
-    if who == process and not marker.exists():
-        _failpoint = _Failpoint(spec, kind, nth, marker)
+    if who == process and (raises or not marker.exists()):
+        _failpoint = _Failpoint(spec, kind, nth, marker, raises=raises)
 
 
 def configure(path: Path | None) -> None:

@@ -19,6 +19,9 @@ directory out::
     keys/server.key  keys/server.key_secret     the key every bound socket serves with
     keys/client.key  keys/client.key_secret     this process's client identity
     keys/authorized/*.key                        public keys of admitted clients
+
+A refused handshake (no keys, another run's keys, a key not admitted) is logged, at most
+once a minute per socket, peer address and reason (``yatt/runtime/refusals.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from zmq.utils import z85
 from protocols.codec import DEFAULT_MAX_FRAME_BYTES
 from yatt.errors import Closed, TransportError
 from yatt.runtime.configtools import require
+from yatt.runtime.refusals import MONITORED_EVENTS, RefusalLog, watch_refusals, zap_peer
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +140,10 @@ class Transport:
         self._zap_task: asyncio.Task[None] | None = None
         self._authorized: set[bytes] = set()
         self._warned_plain = False
+        self._refusals = RefusalLog(self.config.curve_keys_dir)
+        # Per bound CURVE socket (by id): the task that watches its monitor, and the monitor.
+        self._monitors: dict[int, tuple[asyncio.Task[None], Socket]] = {}
+        self._zap_domains: dict[bytes, str] = {}  # a bound socket's ZAP domain -> what it is, for logs
 
     # ------------------------------------------------------------ the socket factory
 
@@ -166,6 +174,7 @@ class Transport:
         use_curve = self.config.curve if curve is None else curve
         use_curve = use_curve and endpoint.split("://", 1)[0] in ("tcp", "ipc")
         sock = self.ctx.socket(socket_type)
+        monitor: Socket | None = None
         try:
             hwm = self.config.hwm if hwm is None else hwm
             sock.setsockopt(zmq.SNDHWM, hwm)
@@ -178,20 +187,28 @@ class Transport:
             if use_curve:
                 self._apply_curve(sock, server=bind is not None)
             if bind is not None:
-                if not use_curve:
+                if use_curve:  # before bind, so that no refused handshake goes unseen
+                    monitor = sock.get_monitor_socket(MONITORED_EVENTS)
+                else:
                     self._warn_if_exposed(bind)
                 sock.bind(bind)
             else:
                 sock.connect(endpoint)
         except zmq.ZMQError as e:
+            if monitor is not None:
+                monitor.close(linger=0)
             sock.close(linger=0)
             verb = "bind" if bind is not None else "connect"
             raise TransportError(f"cannot {verb} {socket_type_name(socket_type)} to {endpoint!r}: {e}") from e
         except BaseException:
+            if monitor is not None:
+                monitor.close(linger=0)
             sock.close(linger=0)
             raise
         described = f"{socket_type_name(socket_type)} {'bind' if bind else 'connect'} {endpoint}"
         self._open[id(sock)] = (sock, described)
+        if monitor is not None:
+            self._watch_refusals(sock, monitor, f"{socket_type_name(socket_type)} {bound_endpoint(sock)}")
         return sock
 
     def close_socket(self, sock: Socket, *, linger_ms: int | None = None) -> None:
@@ -199,6 +216,7 @@ class Transport:
         self._open.pop(id(sock), None)
         if not sock.closed:
             sock.close(linger=linger_ms)
+        self._stop_watching(sock)
 
     def open_sockets(self) -> list[str]:
         """What every still-open socket is, e.g. ``['DEALER connect tcp://127.0.0.1:5555']``
@@ -223,6 +241,10 @@ class Transport:
         for sock, _ in list(self._open.values()):
             sock.close(linger=0)
         self._open.clear()
+        for task, monitor in self._monitors.values():
+            task.cancel()
+            monitor.close(linger=0)
+        self._monitors.clear()
         if self._zap is not None:
             self._zap.close(linger=0)
         self._closed = True
@@ -266,6 +288,7 @@ class Transport:
             self._start_zap()
             public, secret = self._load_pair("server")
             sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, _zap_domain(sock))
         else:
             public, secret = self._load_pair("client")
             path = self._keys_dir() / "server.key"
@@ -306,19 +329,30 @@ class Transport:
                 if len(frames) < 8:
                     logger.warning("malformed ZAP request with %d frames dropped", len(frames))
                     continue
-                route, _, version, request_id, _, address, _, mechanism = frames[:8]
+                route, _, version, request_id, domain, address, _, mechanism = frames[:8]
                 creds = frames[8:]
                 ok = mechanism == b"CURVE" and len(creds) == 1 and z85.encode(creds[0]) in self._authorized
                 if not ok:
-                    logger.warning(
-                        "refused a %s connection from %s: client key not in authorized/",
-                        mechanism.decode(errors="replace"),
-                        address.decode(errors="replace"),
-                    )
+                    sock = self._zap_domains.get(domain, f"a socket of ZAP domain {domain!r}")
+                    self._refusals.unknown_key(sock, zap_peer(address))
                 status, text = (b"200", b"OK") if ok else (b"400", b"client key not authorized")
                 await zap.send_multipart([route, b"", version, request_id, status, text, b"", b""])
         finally:
             zap.close(linger=0)
+
+    def _watch_refusals(self, sock: Socket, monitor: Socket, described: str) -> None:
+        """Log the handshakes a bound CURVE socket refuses (``refusals.py``) until it closes."""
+        self._zap_domains[_zap_domain(sock)] = described
+        task = asyncio.get_running_loop().create_task(watch_refusals(monitor, described, self._refusals))
+        self._monitors[id(sock)] = (task, monitor)
+
+    def _stop_watching(self, sock: Socket) -> None:
+        watched = self._monitors.pop(id(sock), None)
+        if watched is not None:
+            task, monitor = watched
+            task.cancel()
+            monitor.close(linger=0)
+            self._zap_domains.pop(_zap_domain(sock), None)
 
     def _warn_if_exposed(self, endpoint: str) -> None:
         """CURVE is off by default on loopback; binding beyond it in plain text earns a warning."""
@@ -336,6 +370,11 @@ class Transport:
                 "for traffic beyond this host",
                 endpoint,
             )
+
+
+def _zap_domain(sock: Socket) -> bytes:
+    """The ZAP domain a bound CURVE socket sets: tells the ZAP handler which socket asks."""
+    return f"yatt.{id(sock):x}".encode()
 
 
 def socket_type_name(socket_type: int) -> str:

@@ -8,7 +8,14 @@ from typing import Literal
 import pytest
 
 from yatt.errors import ConfigError
-from yatt.rl.config import AlgorithmConfig, GeneratorConfig, RewardConfig, ScorerConfig, TrainerConfig
+from yatt.rl.config import (
+    AlgorithmConfig,
+    BufferConfig,
+    GeneratorConfig,
+    RewardConfig,
+    ScorerConfig,
+    TrainerConfig,
+)
 from yatt.runtime.configtools import apply_overrides, build, require, to_dict
 
 
@@ -68,6 +75,8 @@ def test_overrides_parse_yaml_scalars() -> None:
     assert build(Outer, apply_overrides({}, ["rate=3e-3"])).rate == 0.003  # YAML 1.1 reads it as a string
     with pytest.raises(ConfigError, match="must look like dotted.key=value"):
         apply_overrides({}, ["rate"])
+    with pytest.raises(ConfigError, match=r"override trainer\.betas: '\[0\.9,' is not a YAML value .*close its brackets"):
+        apply_overrides({}, ["trainer.betas=[0.9,"])
 
 
 def test_component_configs_validate() -> None:
@@ -79,3 +88,18 @@ def test_component_configs_validate() -> None:
         build(TrainerConfig, {"lr": 0.0})
     assert build(GeneratorConfig, {"backend": "vllm"}).backend == "vllm"
     assert build(ScorerConfig, {"kind": "math_verify", "weight": 2}).weight == 2.0
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"min_acceptance": 2}, r"^buffer\.min_acceptance must be in \[0, 1\), 0 for no floor \(got 2\.0\)$"),
+        ({"min_acceptance": 1}, r"^buffer\.min_acceptance must be in \[0, 1\), 0 for no floor \(got 1\.0\)$"),
+        ({"min_acceptance": -0.1}, r"^buffer\.min_acceptance must be in \[0, 1\), 0 for no floor \(got -0\.1\)$"),
+        ({"acceptance_window": 0}, r"^buffer\.acceptance_window must be >= 1 \(got 0\)$"),
+    ],
+)
+def test_the_acceptance_floor_is_validated(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build(BufferConfig, data, "buffer")
+    assert build(BufferConfig, {"min_acceptance": 0, "acceptance_window": 1}, "buffer").min_acceptance == 0

@@ -11,6 +11,7 @@ import random
 import sqlite3
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -298,7 +299,7 @@ def test_a_custom_filter_that_does_not_load_is_refused_naming_the_field(tmp_path
 def whole_state(buf: SamplingBuffer) -> dict[str, object]:
     """``state`` and the rest a replay rebuilds: the steps not trained yet (their groups
     with the decision, their micro-batches whole), why the groups beyond the cursor were
-    filtered, and the run of filtered groups."""
+    filtered, the run of filtered groups and the acceptance window."""
     values = state(buf)
     values["step_groups"] = {
         step: [(g.group_key, accepted) for g, accepted in consumed] for step, consumed in buf.step_groups.items() if step >= buf.version
@@ -308,6 +309,7 @@ def whole_state(buf: SamplingBuffer) -> dict[str, object]:
         for k, batches in buf.ready.items()
     }
     values.update(reasons=dict(buf._reasons), filtered_run=list(buf.filtered_run), stalled=buf.stalled)
+    values.update(recent=list(buf.recent), recent_accepted=buf._recent_accepted)
     return values
 
 
@@ -424,6 +426,119 @@ def test_on_stall_train_trains_on_the_filtered_groups_until_one_is_accepted(tmp_
     assert buf.filtered_run == [] and buf.stats.accepted > 0
 
 
+def play(
+    buf: SamplingBuffer, accepted_at: Callable[[int], bool], groups: int, rng: random.Random | None = None,
+    filtered_reward: Callable[[int], float] = lambda g: 1.0,
+) -> None:
+    """Controllers and trainer: generate what the buffer plans (in prompt order, or in a
+    shuffled arrival order if ``rng``), a group passing the filter iff ``accepted_at(its
+    position)`` (a filtered one: every sample rewarded ``filtered_reward(its position)``);
+    train each step once assembled. Until ``groups`` positions were passed by the cursor
+    or the buffer stalls (checked after every offer)."""
+    while buf.cursor < groups and not buf.stalled:
+        step = buf.step if not buf.ready else min(s for s, _ in buf.ready)
+        if all((step, i) in buf.ready for i in range(buf.config.micro_batches_per_step)):
+            for i in range(buf.config.micro_batches_per_step):
+                buf.release(step, i)
+            buf.publish_version(step + 1)
+            continue
+        planned = sorted((k for s in (0, 1) for k in buf.plan(s)), key=buf.position)
+        assert planned, "the buffer must ask for work while a step is incomplete"
+        if rng is not None:
+            rng.shuffle(planned)
+        for key in planned:
+            g = buf.position(key)
+            group = make_group(key, max(buf.min_policy_version, buf.version), equal=not accepted_at(g))
+            if not accepted_at(g):
+                group = dataclasses.replace(group, rewards=torch.full((len(group.rewards),), filtered_reward(g)))
+            buf.offer(group)
+            if buf.stalled or buf.cursor >= groups:
+                return
+
+
+def crawler(tmp_path: Path, name: str = "ledger.db", **overrides: object) -> SamplingBuffer:
+    """A buffer with a floor of 1 accepted group in 4 over the last 8."""
+    return make_buffer(tmp_path, name, **{"min_acceptance": 0.25, "acceptance_window": 8, **overrides})
+
+
+def one_in(n: int) -> Callable[[int], bool]:
+    return lambda g: g % n == 0
+
+
+def healthy_then(n: int, after: int) -> Callable[[int], bool]:
+    """1 group in 2 accepted before position ``after``, then 1 in ``n``."""
+    return lambda g: g % 2 == 0 if g < after else g % n == 0
+
+
+def test_dynamic_sampling_that_crawls_stops_with_what_to_change(tmp_path: Path) -> None:
+    """1 group in 2 accepted, then 1 in 5: never 2 x 4 filtered in a row (the bound), but
+    below the floor."""
+    buf = crawler(tmp_path, max_filtered_batches=2)
+    play(buf, healthy_then(5, 24), 200)
+    assert buf.stalled and buf.cursor < 200 and buf.step > 2, "a crawl went on"
+    assert buf.filtered_run and "accepted none" not in buf.stalled
+    assert buf.stalled.startswith("dynamic sampling accepted 1 of the last 8 groups (12%; floor: buffer.min_acceptance=0.25 over")
+    assert "'all rewards equal': 7" in buf.stalled and "group mean rewards: min 0.5, mean 0.938, max 1" in buf.stalled
+    for fix in ("partial credit", "buffer.filter=none", "lower buffer.min_acceptance", "buffer.on_stall=train"):
+        assert fix in buf.stalled
+
+
+@pytest.mark.parametrize("accepted_at", [one_in(1), one_in(2), one_in(4)], ids=["all", "half", "at-the-floor"])
+def test_a_healthy_acceptance_does_not_stop(tmp_path: Path, accepted_at: Callable[[int], bool]) -> None:
+    """Every window of 8 accepts 1 in 4 (exactly the floor) or more: the run goes on."""
+    buf = crawler(tmp_path)
+    play(buf, accepted_at, 120)
+    assert not buf.stalled and buf.cursor >= 120 and len(buf.recent) == 8
+
+
+def test_the_floor_is_judged_over_a_whole_window_only(tmp_path: Path) -> None:
+    """One accepted group, then only filtered ones (the bound off): the first 9 groups are
+    no window yet; the 10th fills it with 1 in 10."""
+    buf = crawler(tmp_path, "a.db", acceptance_window=10, max_filtered_batches=0)
+    play(buf, lambda g: g == 0, 100)
+    assert buf.stalled and buf.cursor == 10  # (in prompt order the cursor moves one group an offer)
+    assert buf.stalled.startswith("dynamic sampling accepted 1 of the last 10 groups (10%")
+    buf = crawler(tmp_path, "b.db", max_filtered_batches=0)  # 1 in 4 until position 12, then 1 in 12
+    play(buf, lambda g: g % 4 == 0 if g < 12 else g % 12 == 0, 100)
+    assert buf.stalled and buf.cursor == 17, "positions 8-15 hold 2 groups of 8 (the floor), 9-16 one"
+
+
+def test_a_crawl_is_decided_in_prompt_order_and_across_a_restart(tmp_path: Path) -> None:
+    """The same crawl stops at the same group with the same report (a filtered group's
+    reward tells its position): offered in prompt order, or shuffled and restarted from a
+    checkpoint's snapshot taken with a whole window, a few groups before the restart."""
+    accepted_at, reward = healthy_then(6, 40), (lambda g: g / 1000)
+    reference = crawler(tmp_path, "ref.db")
+    play(reference, accepted_at, 500, None, reward)
+    assert reference.stalled and reference.cursor == 47  # (the first window below the floor: 39-46)
+    assert "min 0.039, mean 0.0998, max 0.5 (the filtered groups': mean 0.0426)" in reference.stalled
+    buf = crawler(tmp_path, "run.db")
+    rng = random.Random(4)
+    play(buf, accepted_at, 24, rng, reward)
+    assert len(buf.recent) == 8 and not buf.stalled
+    at_mark = buf.cursor
+    buf.mark()
+    play(buf, accepted_at, at_mark + 3, None, reward)
+    assert buf.cursor - at_mark < 8, "the window at the restart holds groups of the snapshot's"
+    buf.ledger.commit()
+    restarted = crawler(tmp_path, "run.db")
+    restarted.replay()
+    assert restarted.replayed_from > 0 and whole_state(restarted) == whole_state(buf)
+    play(restarted, accepted_at, 500, rng, reward)
+    assert restarted.stalled == reference.stalled
+
+
+def test_on_stall_train_trains_on_filtered_groups_while_acceptance_is_below_the_floor(tmp_path: Path) -> None:
+    """1 in 8 accepted until position 40, then 1 in 2: the filtered groups are trained from
+    the one that fills the first window (position 7) until the window is back at the floor."""
+    buf = crawler(tmp_path, on_stall="train", max_filtered_batches=0)
+    play(buf, lambda g: g % 8 == 0 if g < 40 else g % 2 == 0, 80)
+    assert not buf.stalled
+    trained = {buf.position(e.key) for e in buf.ledger.entries("trained")}
+    assert {g for g in range(48) if g in trained} == {0} | set(range(7, 48)) - {43, 45, 47}
+    assert {g for g in range(48, 72) if g in trained} == set(range(48, 72, 2))
+
+
 def test_step_report_by_hand() -> None:
     """Two groups of one step, the filtered one first: hand-computed statistics, and the
     rollout sample takes the trained group first."""
@@ -477,7 +592,7 @@ def _whole_ledger_replay(buf: SamplingBuffer, path: Path, world_size: int) -> Sa
 
 @pytest.mark.parametrize("seed", range(60))  # (41, 46 and 51 found the reason left behind)
 def test_a_replay_from_a_snapshot_equals_the_whole_ledgers_in_random_runs(tmp_path: Path, seed: int) -> None:
-    """Random configs (staleness, waves, filter, the bound and on_stall, run length, world
+    """Random configs (staleness, waves, filter, the bound, the floor and on_stall, run length, world
     size) and random runs: offers in any order, some stale, some made with weights a rewind
     discarded, duplicates, old attempts, trained steps and their reports, checkpoint marks,
     rewinds to one of them (the group's size changing with it) and restarts. After every
@@ -489,6 +604,7 @@ def test_a_replay_from_a_snapshot_equals_the_whole_ledgers_in_random_runs(tmp_pa
         groups_per_step=4, group_size=rng.choice([2, 4]), micro_batches_per_step=rng.choice([1, 2]),
         max_staleness=rng.choice([0, 1, 2]), filter=rng.choice(["all_equal", "none"]),
         max_filtered_batches=rng.choice([0, 1, 2, 10]), on_stall=rng.choice(["error", "train"]),
+        min_acceptance=rng.choice([0.0, 0.3, 0.6]), acceptance_window=rng.choice([1, 4, 10]),
     )  # fmt: skip
     world_size, total_steps, p_equal = rng.choice([1, 2]), rng.choice([None, 5]), rng.choice([0.2, 0.5, 0.9])
 

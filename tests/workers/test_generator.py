@@ -352,3 +352,74 @@ async def test_lora_adapters_reach_the_engine_and_match_the_trainer(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``state`` moved by seeded noise: weights that differ from the engine's, so a test can
+    see whether they were applied."""
+    noise = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=noise, dtype=t.dtype) for n, t in state.items()}
+
+
+def push(state: dict[str, torch.Tensor], *, version: int, incarnation: int, buckets: int) -> list[WeightUpdate]:
+    """``state`` as trainer rank 0 sends it: ``buckets`` WeightUpdates in order."""
+    names = list(state)
+    cuts = [len(names) * i // buckets for i in range(buckets + 1)]
+    return [
+        WeightUpdate(
+            version=version, incarnation=incarnation, bucket_index=i, num_buckets=buckets,
+            names=names[cuts[i] : cuts[i + 1]], tensors=[state[n] for n in names[cuts[i] : cuts[i + 1]]],
+        )
+        for i in range(buckets)
+    ]  # fmt: skip
+
+
+async def test_a_push_cut_off_halfway_changes_nothing_and_the_restarted_groups_push_applies(
+    transport: Transport, tiny_model_dir: Path
+) -> None:
+    """Trainer rank 0 dies halfway through a weight push (README, "What survives what"): the
+    generator got 2 of the 4 buckets of new weights and applies none of them; it serves on
+    with its weights (the same completions, log-probs and all) and its version. The
+    restarted group (incarnation 1) then pushes its own weights, at the same version: a push
+    with a bucket that does not check out (NaN) changes nothing either, a good one is
+    applied whole."""
+    config = GeneratorConfig()
+    engine = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    dead_group, restarted_group = perturbed(base, 1), perturbed(base, 2)
+    reference = await asyncio.to_thread(make_engine, str(tiny_model_dir), config)
+    reference.update_weights(restarted_group.items())
+    expected = torch.tensor(reference.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+    reference.close()
+    async with Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=config) as gen:
+        async with Client(transport, gen.endpoint) as client:
+            served = await client.request(request(0), Completions, timeout=300)
+        held = torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+        async with Client(transport, gen.endpoint) as rank0:  # dies after 2 of its 4 buckets
+            for bucket in push(dead_group, version=1, incarnation=0, buckets=4)[:2]:
+                assert (await rank0.request(bucket, Ack)).info["status"] == f"bucket {bucket.bucket_index + 1}/4"
+        async with Client(transport, gen.endpoint) as client:
+            assert (await client.request(Query(what="version"), Ack)).seq == 0
+            again = await client.request(request(0), Completions, timeout=300)
+            assert torch.equal(torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION)), held), "half an update was applied"
+            for old, new in zip(served.completions, again.completions, strict=True):
+                assert new.policy_version_min == new.policy_version_max == 0
+                assert torch.equal(old.token_ids, new.token_ids) and torch.equal(old.logprobs, new.logprobs)
+
+            corrupt = push(restarted_group, version=1, incarnation=1, buckets=2)
+            last = corrupt[-1]
+            corrupt[-1] = dataclasses.replace(last, tensors=[torch.full_like(t, float("nan")) for t in last.tensors])
+            for bucket in corrupt[:-1]:
+                await client.request(bucket, Ack)
+            with pytest.raises(RemoteError, match="NaN"):  # every bucket arrived, one does not check out
+                await client.request(corrupt[-1], Ack)
+            assert gen.version == 0 and torch.equal(torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION)), held)
+
+            for bucket in push(restarted_group, version=1, incarnation=1, buckets=2):  # not mixed with the dead group's
+                ack = await client.request(bucket, Ack)
+            assert ack.info["status"] == "applied" and gen.version == 1 and gen.incarnation == 1
+            applied = torch.tensor(engine.sequence_logprobs(SEQ_PROMPT, COMPLETION))
+            assert (applied - held).abs().max().item() > 0.01, "the restarted group's weights changed nothing"
+            assert (applied - expected).abs().max().item() <= 1e-6, "the engine holds other weights than the restarted group's"
+            reply = await client.request(request(0, min_version=1), Completions, timeout=300)
+            assert all(c.policy_version_min == c.policy_version_max == 1 for c in reply.completions)

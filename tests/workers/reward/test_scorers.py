@@ -44,6 +44,7 @@ from workers.reward.scorers import (
 )
 from yatt.errors import Closed, ConfigError
 from yatt.rl.config import RewardConfig, ScorerConfig
+from yatt.runtime.configtools import build
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -319,12 +320,13 @@ async def test_a_scorer_failing_on_most_samples_says_so_with_its_traceback(mixes
 
 
 def test_bad_mix_configs_are_rejected() -> None:
-    twice = RewardConfig(scorers=[ScorerConfig(kind="exact_match"), ScorerConfig(kind="exact_match")])
+    """As the config loads (before any process starts, and so before a mix is made)."""
+    twice = {"scorers": [{"kind": "exact_match"}, {"kind": "exact_match"}]}
     with pytest.raises(ConfigError, match=r"reward\.scorers\[1\]\.name 'exact_match' is already used"):
-        RewardMix(twice)
-    regex = RewardConfig(scorers=[ScorerConfig(kind="format_regex", pattern="(unclosed")])
+        build(RewardConfig, twice, "reward")
+    regex = {"scorers": [{"kind": "format_regex", "pattern": "(unclosed"}]}
     with pytest.raises(ConfigError, match=r"reward\.scorers\[0\]\.pattern .* is not a valid regex"):
-        RewardMix(regex)
+        build(RewardConfig, regex, "reward")
 
 
 async def test_closed_mix_refuses_to_score(mixes: list[RewardMix]) -> None:
@@ -435,11 +437,9 @@ async def test_judge_end_to_end_on_the_tiny_model(mixes: list[RewardMix], judge_
 
 
 def test_judge_template_with_unknown_field_is_rejected(judge_dir: Path) -> None:
-    config = ScorerConfig(
-        kind="judge", model_path=str(judge_dir), judge_template="Grade {completion} for {user}"
-    )
+    config = {"kind": "judge", "model_path": str(judge_dir), "judge_template": "Grade {completion} for {user}"}
     with pytest.raises(ConfigError, match=r"reward\.scorers\[0\]\.judge_template .*KeyError: 'user'"):
-        RewardMix(RewardConfig(scorers=[config]))
+        build(RewardConfig, {"scorers": [config]}, "reward")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

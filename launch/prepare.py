@@ -23,15 +23,13 @@ from launch.config import RunConfig
 from launch.placement.inputs import BUILTIN_TINY
 from yatt.errors import ConfigError, storage_error
 from yatt.runtime import run_dir as names
-from yatt.runtime.transport import make_curve_keys
+from yatt.runtime.transport import KEY_FILES, make_curve_keys
 
 if TYPE_CHECKING:
     from yatt.rl.data import Prompt
 
 RUN_FILES = (names.METRICS, names.LEDGER)
 """What marks a run dir as holding a run (with a complete checkpoint): reusing it needs --resume."""
-KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized")
-"""What a CURVE keys directory holds (``make_curve_keys``): every role loads them at its start."""
 
 
 @contextlib.contextmanager

@@ -101,6 +101,10 @@ class TransportConfig:
         return self.heartbeat_interval_s * self.heartbeat_misses
 
 
+KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized")
+"""What ``make_curve_keys`` lays out in a key directory."""
+
+
 def make_curve_keys(directory: str | Path, *, authorize_client: bool = True) -> Path:
     """Create a CURVE key directory (server and client key pairs, ``authorized/``).
 

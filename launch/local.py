@@ -565,7 +565,10 @@ class LocalLauncher:
         else:
             self.procs = [p for p in self.procs if p.role != "trainer"]
             self.procs += [self.spawn("trainer", index) for index in range(world_size)]
-        print(f"yatt: buffer rewound to step {reply.info.get('step')}; trainer group incarnation {self.incarnation}", file=sys.stderr, flush=True)
+        print(
+            f"yatt: buffer rewound to step {reply.info.get('version')} (batches assembled up to step {reply.info.get('step')}); "
+            f"trainer group incarnation {self.incarnation}", file=sys.stderr, flush=True,
+        )  # fmt: skip
         return checkpoint
 
     async def forget(self, procs: list[Proc]) -> None:

@@ -303,7 +303,9 @@ class Buffer(Actor):
                 self.world_size = previous
                 raise
             await self._notify()
-            return Ack(info={"step": str(self.core.step)})
+            # version: the steps trained at the mark (the trainer resumes there); step: the
+            # step being assembled (the steps between them have their batches ready)
+            return Ack(info={"version": str(self.core.version), "step": str(self.core.step)})
         if msg.what == "evaluate":
             return await self._evaluate(_count_arg(msg, "version"), _count_arg(msg, "rollouts", "0"))
         if msg.what == "step_report":

@@ -230,8 +230,9 @@ async def test_a_rewind_can_give_the_trainer_group_a_new_size(transport: Transpo
         with pytest.raises(RemoteError, match=r"args.world_size=3: .*does not split evenly over 3 trainer ranks"):
             await client.request(Query(what="rewind", args={"world_size": "3"}), Ack)
         assert buffer.world_size == buffer.core.world_size == 2
-        await client.request(Query(what="rewind", args={"world_size": "1"}), Ack)
+        reply = await client.request(Query(what="rewind", args={"world_size": "1"}), Ack)
         assert buffer.world_size == buffer.core.world_size == 1
+        assert reply.info == {"version": "0", "step": "0"}, "back to the start: nothing trained, step 0 assembling"
         keys = [k for s in (0, 1) for k in buffer.core.plan(s)]
         for key in sorted(keys, key=lambda k: buffer.core.position(k))[:2]:  # the first wave
             await client.request(make_group(key, 0), Ack)

@@ -31,7 +31,8 @@ restarting everything.
 - Soak: the default job without its all-equal filter (``SOAK_ITEMS``) for ``soak_steps``
   steps, the RSS and open fds of every role process sampled every 2 s from 10% of the
   steps on; RSS growth from the median of the first tenth of the samples to that of the
-  last tenth (``Usage``). Then the cost of rebuilding the buffer from the soak's ledger
+  last tenth (``Usage``), in percent and in MiB per 1,000 steps (over the steps between
+  the two). Then the cost of rebuilding the buffer from the soak's ledger
   (``replay_cost``): from the newest checkpoint's snapshot, as a restarted buffer does,
   against a replay of the whole ledger.
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import signal
 import statistics
@@ -233,23 +235,35 @@ class Usage:
     """One role process's resident memory and open fds, first (after warm-up) and last:
     RSS as the medians of the first and of the last tenth of its samples (one sample
     swings by a few percent with the step's allocations: trainer-0 471-502 MiB within 30
-    steps), fds as the first and last sample."""
+    steps), at the medians of those samples' steps done; fds as the first and last sample."""
 
     rss_mb: tuple[float, float]
     fds: tuple[int, int]
+    steps: tuple[float, float] = (0.0, 0.0)
 
     @property
     def rss_growth(self) -> float:
         return self.rss_mb[1] / self.rss_mb[0] - 1
 
+    @property
+    def rss_mb_per_step(self) -> float:
+        """RSS growth per step from the first tenth to the last (MiB); NaN when they span
+        no step (a leak's signature: a role that leaks per step grows by it every step,
+        whatever its size, where a relative bound lets a large process leak more)."""
+        span = self.steps[1] - self.steps[0]
+        return (self.rss_mb[1] - self.rss_mb[0]) / span if span > 0 else math.nan
+
     @classmethod
-    def of(cls, samples: list[tuple[float, int]]) -> Usage:
-        """From (RSS MiB, fds) samples in time order."""
+    def of(cls, samples: list[tuple[float, int]], steps: list[int] | None = None) -> Usage:
+        """From (RSS MiB, fds) samples in time order and the steps done at each (none: no
+        per-step figure)."""
         tenth = max(1, len(samples) // 10)
         rss = [r for r, _ in samples]
+        done = steps or [0] * len(samples)
         return cls(
             rss_mb=(statistics.median(rss[:tenth]), statistics.median(rss[-tenth:])),
             fds=(samples[0][1], samples[-1][1]),
+            steps=(statistics.median(done[:tenth]), statistics.median(done[-tenth:])),
         )
 
 
@@ -262,11 +276,12 @@ the filter's saturated regime has tests of its own (the bound on dynamic samplin
 
 def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str, Usage]:
     """The default job (``SOAK_ITEMS``) for ``steps`` steps; each role process's RSS and
-    fds, sampled every 2 s from 10% of the steps on."""
+    fds, sampled every 2 s from 10% of the steps on, with the steps done at each sample."""
     import psutil
 
     proc = launch_run(run_dir, [f"run.steps={steps}", *SOAK_ITEMS, *(items or [])])
     samples: dict[str, list[tuple[float, int]]] = {}
+    at: dict[str, list[int]] = {}
     while proc.poll() is None:
         done = _steps(run_dir)
         if done >= max(1, steps // 10) and done < steps:
@@ -276,10 +291,11 @@ def soak(run_dir: Path, steps: int, items: list[str] | None = None) -> dict[str,
                     samples.setdefault(name, []).append((p.memory_info().rss / 2**20, p.num_fds()))
                 except psutil.Error:
                     continue
+                at.setdefault(name, []).append(done)
         time.sleep(2.0)
     if proc.returncode != 0:
         raise RuntimeError(f"the soak run failed; see {run_dir.parent / (run_dir.name + '.launcher.log')}")
-    return {n: Usage.of(s) for n, s in samples.items()}
+    return {n: Usage.of(s, at[n]) for n, s in samples.items()}
 
 
 def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Result:
@@ -526,10 +542,15 @@ def _soak(tmp: Path, opts: Options, items: list[str], result: Result, quick: boo
     usage = soak(tmp / "soak", opts.soak_steps, ["placement.layout=disaggregated"])
     for name, u in sorted(usage.items()):
         result.figures[f"soak_{name}_rss_growth_pct"] = 100 * u.rss_growth
+        result.figures[f"soak_{name}_rss_mb_per_1000_steps"] = 1000 * u.rss_mb_per_step
         result.figures[f"soak_{name}_fds_growth"] = float(u.fds[1] - u.fds[0])
     result.notes.append(
         f"soak ({opts.soak_steps} steps): "
-        + "; ".join(f"{n} RSS {u.rss_mb[0]:.0f} -> {u.rss_mb[1]:.0f} MiB, fds {u.fds[0]} -> {u.fds[1]}" for n, u in sorted(usage.items()))
+        + "; ".join(
+            f"{n} RSS {u.rss_mb[0]:.0f} -> {u.rss_mb[1]:.0f} MiB ({1000 * u.rss_mb_per_step:+.1f} MiB per 1,000 steps), "
+            f"fds {u.fds[0]} -> {u.fds[1]}"
+            for n, u in sorted(usage.items())
+        )
     )
     cost = replay_cost(tmp / "soak")
     result.figures.update({f"buffer_replay_{k}": v for k, v in cost.items()})

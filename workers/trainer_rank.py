@@ -4,6 +4,7 @@ Per step k, on every rank (rank 0 also talks to generators, writes metrics)::
 
     MicroBatchRequest(k, rank, i) -> buffer, i = 0..count-1, each trained as it arrives
     Trainer.train_step                          (forward/backward per micro-batch, one AdamW step)
+    consumed/trainer-<rank>.jsonl               (the group key of each row trained: ``record_consumed``)
     Trainer.weight_buckets(k+1)                 (collective; rank 0 gets the full tensors)
     rank 0: WeightUpdate buckets -> every generator, waits for their Acks
             PolicyVersion(k+1)   -> buffer (re-opens the dispatch window when on-policy)
@@ -69,10 +70,11 @@ from workers.generator import Generator
 from workers.lora import is_adapter
 from workers.run_log import RunLog
 from workers.trainer import Trainer
-from yatt.errors import PeerLost, RemoteError, RequestTimeout
+from yatt.errors import PeerLost, RemoteError, RequestTimeout, storage_error
 from yatt.placement.plan import Layout
 from yatt.rl.checkpoints import asked_for_checkpoint
 from yatt.rl.config import AlgorithmConfig, GeneratorConfig, ModelConfig, TrainerConfig
+from yatt.runtime import run_dir as names
 from yatt.runtime import trace
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.registry import Directory
@@ -333,8 +335,9 @@ class TrainerRank:
         # every rank saves the same step)], on the rank's device: NCCL reduces no CPU tensor
         staleness = torch.zeros(4, dtype=torch.float64, device=self.trainer.device)
         start = time.perf_counter()
-        metrics, wait_s = await self._train(buffer, directory, step, staleness)
+        metrics, wait_s, keys = await self._train(buffer, directory, step, staleness)
         train_s = time.perf_counter() - start
+        await asyncio.to_thread(record_consumed, self.run_dir, self.rank, step=step, incarnation=self.cfg.incarnation, keys=keys)
         self._training_turn = False  # a generator that joined meanwhile gets its weights now
         if self.rank == 0 and self._checkpoint_asked():
             staleness[3] = 1.0
@@ -363,13 +366,15 @@ class TrainerRank:
 
     async def _train(
         self, buffer: BufferLink, directory: Directory, step: int, staleness: torch.Tensor
-    ) -> tuple[dict[str, float], float]:
+    ) -> tuple[dict[str, float], float, list[str]]:
         """Fetch and train the step's micro-batches, adding each one's staleness, samples and
-        tokens to ``staleness``; returns the training metrics and the seconds spent waiting
-        (for the buffer and, when the layout takes turns, for the engines to hand over)."""
+        tokens to ``staleness``; returns the training metrics, the seconds spent waiting (for
+        the buffer and, when the layout takes turns, for the engines to hand over) and the
+        group key of every row trained, padding aside, in micro-batch order."""
         loop = asyncio.get_running_loop()
         wait = [0.0]
         count = self.cfg.micro_batches_per_step
+        keys: list[str] = []
 
         async def fetch_one(index: int) -> MicroBatch:
             start = time.perf_counter()
@@ -379,6 +384,7 @@ class TrainerRank:
                 mb = await buffer.request(request, MicroBatch, timeout=math.inf)
             wait[0] += time.perf_counter() - start
             real = mb.loss_mask.any(dim=1)
+            keys.extend(key.as_str() for key, counts in zip(mb.group_keys, real.tolist(), strict=True) if counts)
             staleness.add_(torch.tensor(
                 [float((step - mb.policy_versions[real]).sum()), float(real.sum()), float(mb.loss_mask.sum()), 0.0],
                 dtype=torch.float64, device=staleness.device,
@@ -400,7 +406,7 @@ class TrainerRank:
             metrics = await asyncio.to_thread(self.trainer.train_step, fetch())
         if self._slow is not None and self._slow.active(step):  # the step's extra compute, split over the ranks
             await asyncio.sleep(self._slow.seconds / self.trainer.world_size)
-        return metrics, wait[0]
+        return metrics, wait[0], keys
 
     async def _publish(self, buffer: BufferLink, directory: Directory, version: int) -> bool:
         """Push ``version`` to the generator processes when a weight sync is due (every rank
@@ -646,6 +652,37 @@ class TrainerRank:
                     del self._synced[actor_id]
             behind = [a for a in current if self._synced.get(a, -1) < (self._buckets[0].version if self._buckets else 0)]
             await asyncio.gather(*(self._push(directory, a) for a in behind))
+
+
+def record_consumed(run_dir: Path, rank: int, *, step: int, incarnation: int, keys: list[str]) -> None:
+    """Append what ``rank`` trained in ``step`` to ``consumed/trainer-<rank>.jsonl``, one
+    line ``{"step", "incarnation", "keys"}`` (``keys``: the group key of each row, so a
+    group's samples over the ranks add up to its size), fsync'd before the step's weights
+    go anywhere. The buffer's ledger says what it handed out; this is what was trained. A
+    restarted group (``incarnation``) or a resumed run trains some steps again: their new
+    lines come later in the file, and the last line of a step is the one that stands
+    (``read_consumed``)."""
+    path = run_dir / names.CONSUMED / f"trainer-{rank}.jsonl"
+    line = json.dumps({"step": step, "incarnation": incarnation, "keys": keys}) + "\n"
+    try:
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise storage_error(path, e) from e
+
+
+def read_consumed(run_dir: Path) -> dict[int, dict[int, list[str]]]:
+    """step -> rank -> the keys that rank trained in it, from every rank's record
+    (``record_consumed``): of a step trained more than once, its last line."""
+    steps: dict[int, dict[int, list[str]]] = {}
+    for path in sorted((run_dir / names.CONSUMED).glob("trainer-*.jsonl")):
+        rank = int(path.stem.removeprefix("trainer-"))
+        for line in names.read_jsonl(path):
+            steps.setdefault(int(line["step"]), {})[rank] = [str(k) for k in line["keys"]]
+    return dict(sorted(steps.items()))
 
 
 def prune_checkpoints(checkpoints: Path, keep: int) -> list[Path]:

@@ -6,6 +6,7 @@ and imports dominate the runtime) and saves what rank 0 saw; the tests assert on
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import tempfile
@@ -622,3 +623,24 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
     assert sorted(d.name for d in gone) == ["step_2", "step_4", "step_6"]
     assert sorted(d.name for d in tmp_path.iterdir()) == ["step_10", "step_12", "step_8"]
     assert prune_checkpoints(tmp_path / "none", 1) == []
+
+
+def test_the_consumed_record_keeps_the_last_training_of_each_step(tmp_path: Path) -> None:
+    """Each rank appends what it trained per step; a restarted group (incarnation 1) and then
+    a resumed run (incarnation 0 again) train steps again: the last line of a step stands."""
+    from workers.trainer_rank import read_consumed, record_consumed
+
+    assert read_consumed(tmp_path) == {}
+    for rank in (0, 1):
+        for step in range(3):
+            record_consumed(tmp_path, rank, step=step, incarnation=0, keys=[f"e0/s{rank}/p{step}/a0"] * 2)
+        record_consumed(tmp_path, rank, step=1, incarnation=1, keys=[f"e0/s{rank}/p1/a1"])  # the group restarted from step 1
+    record_consumed(tmp_path, 0, step=2, incarnation=1, keys=["e0/s0/p2/a1"])
+    record_consumed(tmp_path, 0, step=2, incarnation=0, keys=["e0/s0/p2/a2"])  # resumed from step 2
+    assert read_consumed(tmp_path) == {
+        0: {0: ["e0/s0/p0/a0"] * 2, 1: ["e0/s1/p0/a0"] * 2},
+        1: {0: ["e0/s0/p1/a1"], 1: ["e0/s1/p1/a1"]},
+        2: {0: ["e0/s0/p2/a2"], 1: ["e0/s1/p2/a0"] * 2},
+    }
+    lines = (tmp_path / "consumed" / "trainer-0.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and json.loads(lines[3]) == {"step": 1, "incarnation": 1, "keys": ["e0/s0/p1/a1"]}

@@ -170,6 +170,11 @@ class Controller:
                     DispatchPlan,
                     timeout=self.config.plan_wait_s + self.config.request_timeout_s,
                 )
+                if plan_seq == -1:  # this process's first plan: a restarted controller re-issues it all
+                    logger.info(
+                        "controller %d: issuing the %d undecided groups of its shard in the buffer's window",
+                        self.shard, len(plan.keys),
+                    )
                 plan_seq = plan.plan_seq
                 self._follow(plan)
         finally:

@@ -427,7 +427,7 @@ class SamplingBuffer:
                 past_the_bound = self._past_the_bound(group, reason)
                 accepted = self._below_the_floor(group, reason) or past_the_bound
             self.ema = max(EMA_FLOOR, self.config.acceptance_ema * self.ema + (1 - self.config.acceptance_ema) * accepted)
-            if self.step >= self._replayed_version:
+            if self.step >= self._replayed_version - 1:  # (the step trained last: its report may not be asked yet)
                 self.step_groups.setdefault(self.step, []).append((_full(group), accepted))
             self.attempts.pop(g, None)  # (no key before the cursor is looked at again)
             self.cursor += 1
@@ -620,7 +620,9 @@ class SamplingBuffer:
                     )
         finally:
             self.ledger = ledger
-        for step in [s for s in self.step_groups if s < self._replayed_version]:  # (the snapshot's, trained since)
+        # (the snapshot's, trained since; the last one trained is kept: rank 0 asks for its
+        # report after publishing, maybe after this restart)
+        for step in [s for s in self.step_groups if s < self._replayed_version - 1]:
             del self.step_groups[step]
         self._replayed_version = 0
         # What the buffer goes on with is whole: the groups decided beyond the cursor and the wave being filled.
@@ -676,7 +678,7 @@ class SamplingBuffer:
             "wave": keys(self.wave),
             "step_groups": [
                 [step, keys([g for g, _ in consumed]), [a for _, a in consumed]]
-                for step, consumed in sorted(self.step_groups.items()) if step >= self.version
+                for step, consumed in sorted(self.step_groups.items()) if step >= self.version - 1
             ],
             "stats": dataclasses.asdict(self.stats),
         }).encode()  # fmt: skip

@@ -38,6 +38,9 @@ CHECKPOINTS = "checkpoints"
 """``step_<k>/`` per checkpoint, complete once its ``done`` marker exists."""
 FINAL = "final"
 """The Hugging Face export of the last step's model."""
+CONSUMED = "consumed"
+"""``trainer-<rank>.jsonl``: per step a rank trained, the group key of each row it trained
+(``workers.trainer_rank``); checks exactly-once from the trainer's side."""
 TENSORBOARD = "tensorboard"
 
 

@@ -651,3 +651,22 @@ def test_a_replay_from_a_snapshot_equals_the_whole_ledgers_in_random_runs(tmp_pa
             assert whole_state(restarted) == whole_state(whole), f"{action} {restarts}, from row {restarted.replayed_from}"
             buf.ledger.close()
             buf = restarted
+
+
+@pytest.mark.parametrize("snapshot", [False, True], ids=["whole-ledger", "from-a-snapshot"])
+def test_a_restart_keeps_the_report_of_the_step_trained_last(tmp_path: Path, snapshot: bool) -> None:
+    """Rank 0 asks for a step's report after publishing the version it trained: a buffer
+    restarted in between must still have that step's groups (it had none: the step's
+    metrics line said ``groups 0``, reward NaN, and the run's last line ``-> nan``)."""
+    buf = make_buffer(tmp_path, "run.db")
+    drive(buf, 3, random.Random(4))  # steps 0-2 trained, version 3 published, step 2 not reported
+    if snapshot:
+        buf.mark()
+    buf.ledger.commit()
+    before = step_report(buf.step_groups[2], rollouts=0)[0]
+    assert before["groups"] > 0
+    again = make_buffer(tmp_path, "run.db")
+    again.replay()
+    assert (again.replayed_from > 0) == snapshot
+    assert step_report(again.step_groups.get(2, []), rollouts=0)[0] == before
+    assert 1 not in again.step_groups, "older steps' groups are not kept"

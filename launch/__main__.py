@@ -42,6 +42,7 @@ documented where its class is defined; --print-config shows them all with their 
   transport  ZeroMQ: timeouts, heartbeats, CURVE                              yatt/runtime/transport.py: TransportConfig
   placement  colocated, partial, disaggregated, auto                          yatt/rl/config.py: PlacementConfig
   slurm      run dirs and head ports under SLURM                              launch/config.py: SlurmSettings
+  env        multi-turn episodes: environment or tools, turn limits         yatt/rl/config.py: EnvConfig
 """
 
 

@@ -36,6 +36,7 @@ import zmq.auth
 
 from launch.config import RunConfig
 from yatt.errors import ConfigError
+from yatt.rl.agents.envs import check_env
 from yatt.rl.config import BufferConfig, ModelConfig, RewardConfig, TrainerConfig
 from yatt.rl.data import Prompt
 from yatt.rl.rl_math import POLICY_LOSSES, get_policy_loss
@@ -50,6 +51,8 @@ def check_config(cfg: RunConfig) -> None:
     _check_plugins(cfg)
     _check_keys(cfg.transport)
     _check_overlong(cfg)
+    if cfg.env.enabled:
+        _check_env(cfg)
 
 
 def check_against(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prompt], list[Prompt]], ranks: int) -> None:
@@ -69,6 +72,8 @@ def check_against(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prom
     _check_lengths(cfg, model, prompt_sets)
     _check_scorer_fields(cfg.reward, prompts)
     _check_lora(cfg.model, model, model_path)
+    if cfg.env.enabled:
+        _check_episodes(cfg, model, model_path)
 
 
 # ------------------------------------------------------------------ the config alone
@@ -157,7 +162,36 @@ def _check_overlong(cfg: RunConfig) -> None:
         )
 
 
+def _check_env(cfg: RunConfig) -> None:
+    """The environment class (made once with env.kwargs) or every tool loads; what an
+    episode cannot honour is refused."""
+    check_env(cfg.env)
+    if cfg.algorithm.overlong_buffer:
+        raise ConfigError(
+            f"algorithm.overlong_buffer = {cfg.algorithm.overlong_buffer}: the overlong penalty measures one completion "
+            "against controller.max_new_tokens, and an episode's turns are bounded by env.max_turns and "
+            "env.max_total_tokens instead; set it to 0 with env"
+        )
+
+
 # ------------------------------------------------------------------ against the model, data, plan
+
+
+def _check_episodes(cfg: RunConfig, model: dict[str, Any], model_path: Path) -> None:
+    """The episodes' context budget within the model's positions, and the renderer's
+    self-check against the model's chat template (a template that rewrites history)."""
+    from transformers import AutoTokenizer
+
+    from yatt.rl.agents.render import Renderer, self_check
+
+    positions = model.get("max_position_embeddings")
+    if isinstance(positions, int) and cfg.env.max_total_tokens > positions:
+        raise ConfigError(
+            f"env.max_total_tokens = {cfg.env.max_total_tokens} is more than the model's positions ({positions}, "
+            f"max_position_embeddings in {model_path}/config.json); lower it to {positions} or less (0: the model's)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    self_check(Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path)))
 
 
 def _vocab_size(model: dict[str, Any]) -> int | None:

@@ -21,6 +21,7 @@ from yatt.rl.config import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     GeneratorConfig,
     ModelConfig,
@@ -139,6 +140,7 @@ class RunConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         every, staleness = self.trainer.weight_sync_every, self.buffer.max_staleness

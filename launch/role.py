@@ -37,6 +37,8 @@ from yatt.runtime.transport import Transport
 
 if TYPE_CHECKING:
     from workers.reward.scorers import RewardMix
+    from yatt.rl.agents.envs import EnvFactory
+    from yatt.rl.agents.episodes import EpisodeRunner
     from yatt.rl.data import Prompt
 
 logger = logging.getLogger("yatt.role")
@@ -162,9 +164,31 @@ async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Trans
             seed=cfg.run.seed,
             eval_prompts=eval_prompts,
             evaluation=cfg.eval,
+            episodes=episode_runner(cfg, args.model_path) if cfg.env.enabled else None,
         )
         actor = ControllerActor(transport, endpoint=f"tcp://{args.host}:*", controller=controller)
         await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
+
+
+def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, EnvFactory]:
+    """A controller's episode runner (its renderer checked against the model's chat
+    template) and its environment factory, for ``env``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from yatt.rl.agents.envs import env_factory
+    from yatt.rl.agents.episodes import EpisodeRunner
+    from yatt.rl.agents.render import Renderer, self_check
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    renderer = Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path))
+    self_check(renderer)
+    context = int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0) or 1 << 30)
+    runner = EpisodeRunner(
+        cfg.env, renderer, decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        eos_ids={int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set(),
+        max_new_tokens=cfg.controller.max_new_tokens, context=context,
+    )  # fmt: skip
+    return runner, env_factory(cfg.env)
 
 
 async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:

@@ -66,6 +66,7 @@ class SamplingParams:
     top_k: int = -1  # -1: no top-k
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (an agent's "</tool>"): the sample ends with the token completing one
     seed: int | None = None
 
 
@@ -163,6 +164,22 @@ class ScoredGroup(Message):
     finish_reasons: list[str]  # n
     scores: dict[str, Tensor] = field(default_factory=dict)  # scorer name -> [n] float32, raw (Scores.components)
     failures: list[str] = field(default_factory=list)  # n (or empty), "" where every scorer succeeded
+    # Multi-turn episodes (yatt.rl.agents); all empty for single-turn groups. A completion is
+    # then the episode after its prompt: generated turns and the observations between them.
+    completion_masks: list[Tensor] = field(default_factory=list)  # n x [L_i] bool, True on the policy's own tokens
+    token_versions: list[Tensor] = field(default_factory=list)  # n x [L_i] int64, the version that sampled each token; -1 on observations
+    episodes: list[EpisodeInfo] = field(default_factory=list)  # n, how each episode went
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeInfo:
+    """How one multi-turn episode went (``ScoredGroup.episodes``)."""
+
+    ended: str  # done | truncated | max_turns | budget | timeout | env_error
+    turns: int  # policy turns generated
+    turn_rewards: list[float]  # the environment's reward after each turn (NaN where it gave none)
+    tool_errors: int  # tool calls that did not parse, named no tool, had bad arguments, raised or timed out
+    detail: str = ""  # the error that ended it (env_error, timeout), one line
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,7 +132,32 @@ class RunLog:
                 "failure": group.failures[i] if group.failures else "",
                 "policy_version": int(group.policy_versions[i]),
             })  # fmt: skip
+            if group.episodes:
+                rows[-1].update(self._episode(group, i))
         return rows
+
+    def _episode(self, group: ScoredGroup, i: int) -> dict[str, Any]:
+        """An episode's turns (each its action, the observation after it, the environment's
+        reward) and how it ended, from the completion's spans: the policy's (mask 1) and the
+        observations (mask 0)."""
+        ids, mask, info = group.completion_ids[i].tolist(), group.completion_masks[i].tolist(), group.episodes[i]
+        spans: list[tuple[bool, list[int]]] = []
+        for token, own in zip(ids, mask, strict=True):
+            if spans and spans[-1][0] == own:
+                spans[-1][1].append(token)
+            else:
+                spans.append((own, [token]))
+        decode = self._tokenizer.decode
+        turns: list[dict[str, Any]] = []
+        for own, span in spans:
+            text = str(decode(span, skip_special_tokens=not own))
+            if own:
+                turns.append({"action": text, "observation": ""})
+            elif turns:
+                turns[-1]["observation"] = text
+        for turn, reward in zip(turns, info.turn_rewards, strict=False):
+            turn["reward"] = None if math.isnan(reward) else reward
+        return {"turns": turns, "ended": info.ended, "tool_errors": info.tool_errors, "ended_detail": info.detail}
 
     def close(self) -> None:
         if self._writer is not None:

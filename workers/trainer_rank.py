@@ -239,7 +239,7 @@ class TrainerRank:
             else:
                 from workers.engines.hf import HFEngine
 
-                engine = HFEngine.on_module(trainer.policy, cfg.generator, device=trainer.device)
+                engine = HFEngine.on_module(trainer.policy, cfg.generator, device=trainer.device, tokenizer_path=str(model_path))
         rank = cls(cfg, trainer, run_dir=run_dir, layout=layout, engine=engine)
         if engine is not None:
             rank._wake_engine()

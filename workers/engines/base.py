@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -189,3 +189,26 @@ class WeightNames:
                 f"weight update lacks {len(missing)} of {len(self.groups)} tensors "
                 f"(first: {missing[:3]}); one update_weights call must carry the whole state dict"
             )
+
+
+def stop_string_end(tokenizer: Any, token_ids: Sequence[int], stops: Sequence[str]) -> int | None:
+    """How many of ``token_ids`` a sample keeps when it stops on one of ``stops``: up to
+    and including the token that completes the first stop string to appear (whole tokens:
+    text after the string within that token stays, as vLLM's ``include_stop_str_in_output``
+    keeps it); None when no stop string appears. A prefix's text containing a stop string
+    only grows with the prefix, so a binary search decodes log2(L) prefixes."""
+
+    def within(n: int) -> bool:
+        text = tokenizer.decode(list(token_ids[:n]), skip_special_tokens=False)
+        return any(stop in text for stop in stops)
+
+    if not stops or not within(len(token_ids)):
+        return None
+    low, high = 1, len(token_ids)  # within(high) holds
+    while low < high:
+        mid = (low + high) // 2
+        if within(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low

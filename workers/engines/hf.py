@@ -22,7 +22,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from workers.engines.base import (
@@ -32,10 +38,11 @@ from workers.engines.base import (
     WeightNames,
     is_greedy,
     resolve_dtype,
+    stop_string_end,
     validate_requests,
 )
 from workers.lora import is_adapter, with_lora
-from yatt.errors import Closed, ConfigError
+from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
 
 # What requests must share to go into one generate call: every sampling parameter but the seed.
@@ -100,23 +107,28 @@ class HFEngine:
         if lora is not None and lora.rank:
             model = with_lora(model, lora)
         model.to(self._device).eval()
-        self._setup(model, config)
+        self._setup(model, config, tokenizer_path=model_path)
         if lora is not None and lora.rank:
             self._names = WeightNames(model, only=is_adapter)
 
     @classmethod
-    def on_module(cls, model: torch.nn.Module, config: GeneratorConfig, *, device: torch.device) -> HFEngine:
+    def on_module(
+        cls, model: torch.nn.Module, config: GeneratorConfig, *, device: torch.device, tokenizer_path: str | None = None
+    ) -> HFEngine:
         """An engine that generates with ``model`` itself, e.g. a trainer rank's own policy
         (the colocated layout): no copy of the weights, so ``update_weights`` is never needed;
-        the caller makes the module's full weights available around ``generate`` calls."""
+        the caller makes the module's full weights available around ``generate`` calls.
+        ``tokenizer_path``: where stop strings find the tokenizer (none: stop strings refused)."""
         engine = cls.__new__(cls)
         engine._device = device
         engine._dtype = next(model.parameters()).dtype
-        engine._setup(model, config)
+        engine._setup(model, config, tokenizer_path=tokenizer_path)
         return engine
 
-    def _setup(self, model: Any, config: GeneratorConfig) -> None:
+    def _setup(self, model: Any, config: GeneratorConfig, *, tokenizer_path: str | None) -> None:
         self._model: Any = model
+        self._tokenizer_path = tokenizer_path
+        self._tokenizer: Any = None  # loaded at the first request with stop strings
         gen = model.generation_config
         self._eos_ids = _as_list(gen.eos_token_id) or _as_list(model.config.eos_token_id)
         pad = _as_list(gen.pad_token_id) or _as_list(model.config.pad_token_id) or self._eos_ids[:1]
@@ -144,7 +156,7 @@ class HFEngine:
         groups: dict[_GroupKey, list[int]] = {}
         for i, req in enumerate(requests):
             sp = req.sampling
-            key: _GroupKey = (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, tuple(sp.stop_token_ids))
+            key: _GroupKey = (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, tuple(sp.stop_token_ids), tuple(sp.stop))
             groups.setdefault(key, []).append(i)
         seeds = [r.sampling.seed if r.sampling.seed is not None else self._seeds.getrandbits(63) for r in requests]
         results: list[list[Sample]] = [[] for _ in requests]
@@ -178,6 +190,7 @@ class HFEngine:
             pad_token_id=self._pad_id,
             return_dict_in_generate=True,
             output_logits=True,
+            stop_strings=list(sp.stop) or None,
         )
         processors = LogitsProcessorList()
         if not greedy:
@@ -196,6 +209,7 @@ class HFEngine:
             generation_config=gen_config,
             logits_processor=processors,
             synced_gpus=False,  # an FSDP module generates on each rank alone (colocated layout)
+            **({"tokenizer": self._stop_tokenizer()} if sp.stop else {}),
         )
         new_tokens = out.sequences[:, width:]  # [R, L] int64, pad after a row's stop token
         temperature = 1.0 if greedy else sp.temperature
@@ -215,8 +229,11 @@ class HFEngine:
             for k in range(req.n):
                 r = first_row[p] + (0 if greedy else k)
                 tokens = new_tokens[r].tolist()
-                # Cut after the first stop token: what follows is padding.
+                # Cut after the first stop token or the token completing a stop string: what
+                # follows is padding.
                 end = next((t + 1 for t, tok in enumerate(tokens) if tok in stop_set), None)
+                if sp.stop and (at := stop_string_end(self._stop_tokenizer(), tokens[: end or len(tokens)], sp.stop)):
+                    end = at
                 length = end if end is not None else len(tokens)
                 group.append(
                     Sample(
@@ -227,6 +244,14 @@ class HFEngine:
                 )
             samples.append(group)
         return samples
+
+    def _stop_tokenizer(self) -> Any:
+        """The model's tokenizer, which stop strings need (transformers' ``StopStringCriteria``)."""
+        if self._tokenizer is None:
+            if self._tokenizer_path is None:
+                raise ProtocolError("this engine has no tokenizer, so it cannot stop on strings; send stop_token_ids")
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -131,9 +131,11 @@ def _to_vllm_params(req: PromptRequest) -> VLLMSamplingParams:
         top_k=0 if sp.top_k == -1 else sp.top_k,  # vLLM: 0 disables top-k
         max_tokens=sp.max_new_tokens,
         stop_token_ids=list(sp.stop_token_ids),
+        stop=list(sp.stop) or None,
+        include_stop_str_in_output=True,  # whole tokens, the stop string's included (as the transformers engine)
         seed=sp.seed,
         logprobs=0,  # the sampled token's logprob only
-        detokenize=False,
+        detokenize=bool(sp.stop),  # stop strings are matched on text
     )
 
 

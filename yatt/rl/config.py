@@ -661,6 +661,74 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """Multi-turn episodes (yatt/rl/agents): the environment or the tools each prompt's
+    episodes run against, and their limits. Neither ``class`` nor ``tools`` set: one
+    completion per prompt, no episodes."""
+
+    class_: str = ""
+    """(``env.class``) 'module:Class', an environment in Gymnasium's convention (text in, text
+    out): one instance per episode, ``reset(seed=, options={"row": row})`` then ``step(action)``
+    per turn, sync or ``async def``; empty with ``tools`` set: the built-in tool environment."""
+    kwargs: dict[str, bool | int | float | str | list[str]] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    tools: list[str] = field(default_factory=list)
+    """'module:function' tools (type hints and a docstring: transformers' get_json_schema)."""
+    protocol: Literal["tags", "hermes"] = "tags"
+    """How the model calls tools: tags (``<tool>name(args)</tool>``, the result inline as
+    ``<result>...</result>``: small models without a tool-calling template) or hermes (the chat
+    template's ``<tool_call>{json}</tool_call>``, the result a tool message)."""
+    observations: Literal["auto", "chat", "inline"] = "auto"
+    """How observations join the episode: chat (each a message of the chat template: the
+    policy's turn closed, the message, the next assistant turn opened) or inline (the text as
+    it is, within the policy's turn: tag protocols such as ``<result>...</result>``); auto:
+    inline for tools with the tags protocol, chat otherwise."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a turn (whole tokens kept), besides EOS; tags adds ``</tool>``."""
+    max_turns: int = 4
+    """Policy turns per episode; the episode ends as 'max_turns' after the last."""
+    max_total_tokens: int = 0
+    """Context budget of an episode (prompt, turns and observations); 0: the model's positions."""
+    max_obs_tokens: int = 256
+    """Longest observation, in tokens; a longer one is cut (``obs_truncate`` says where)."""
+    obs_truncate: Literal["start", "end"] = "end"
+    """Which end of a long observation is cut off."""
+    tool_timeout_s: float = 10.0
+    """Longest a tool call may take; past it the model reads a timeout error."""
+    episode_timeout_s: float = 300.0
+    """Longest an episode's environment time may take (generation not counted); past it the
+    episode ends as 'timeout' and is trained on as far as it got."""
+    reward_weight: float = 1.0
+    """Weight of the environment's rewards (summed over turns) added to the scorer mix."""
+
+    def __post_init__(self) -> None:
+        require(not self.tools or not self.class_, "tools", "and env.class are both set: a user environment calls its own tools; set one")
+        require(self.max_turns >= 1, "max_turns", f"must be >= 1 (got {self.max_turns})")
+        require(self.max_total_tokens >= 0, "max_total_tokens", f"must be >= 0 (got {self.max_total_tokens})")
+        require(self.max_obs_tokens >= 1, "max_obs_tokens", f"must be >= 1 (got {self.max_obs_tokens})")
+        require(self.tool_timeout_s > 0, "tool_timeout_s", f"must be > 0 seconds (got {self.tool_timeout_s})")
+        require(self.episode_timeout_s > 0, "episode_timeout_s", f"must be > 0 seconds (got {self.episode_timeout_s})")
+        require(all(self.stop), "stop", f"must not hold an empty string (got {self.stop})")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether prompts run as multi-turn episodes."""
+        return bool(self.class_ or self.tools)
+
+    @property
+    def render_protocol(self) -> Literal["chat", "raw"]:
+        """The renderer's protocol (yatt/rl/agents/render.py) for ``observations``."""
+        inline = self.observations == "inline" or (self.observations == "auto" and bool(self.tools) and self.protocol == "tags")
+        return "raw" if inline else "chat"
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """What ends a turn besides EOS: ``stop``, and a tag-protocol tool call's end."""
+        tags = ["</tool>"] if self.tools and self.protocol == "tags" else []
+        return list(dict.fromkeys([*self.stop, *tags]))
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
     """Where the roles run on the machine's device slots (yatt/placement)."""
 

@@ -14,6 +14,11 @@ The loop, per group (one prompt, n samples)::
 An evaluation is more keys in the same plan (``yatt.rl.evaluation``): held-out prompts,
 sampled greedily or as ``eval`` says, scored by the same reward pool, with no advantages.
 
+With ``env`` set (``yatt.rl.agents``) each of a group's n samples is an episode, its own
+task: every turn one GenerateRequest (the episode's ids so far, n=1), the environment
+stepped between turns; the n transcripts are scored together when the last one ends, the
+environment's rewards added, and the group goes to the buffer as a single-turn one does.
+
 What unblocks it: a new plan (the buffer's long poll answers when decisions or the
 policy version move the dispatch window). Over-sampling, the staleness bound and the
 order of prompts are the buffer's (see ``yatt.rl.sampling``), so a controller is stateless:
@@ -26,15 +31,17 @@ does not answer in time has its request re-issued to another of the pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import uuid
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from protocols.messages import (
     Ack,
+    Completion,
     Completions,
     DispatchPlan,
     GenerateRequest,
@@ -50,6 +57,8 @@ from protocols.messages import (
 )
 from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, TransportError
 from yatt.rl import rl_math
+from yatt.rl.agents.envs import EnvFactory
+from yatt.rl.agents.episodes import EpisodeRunner, Trajectory
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EvalConfig
 from yatt.rl.data import Prompt
 from yatt.rl.evaluation import GREEDY, eval_version, is_eval
@@ -62,9 +71,11 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=Message)
 
 
-def sampling_seed(seed: int, key: GroupKey) -> int:
-    """A stable 31-bit seed per group key, so a re-issued request samples the same."""
-    digest = hashlib.blake2b(f"{seed}/{key.as_str()}".encode(), digest_size=4).digest()
+def sampling_seed(seed: int, key: GroupKey, *turn: int) -> int:
+    """A stable 31-bit seed per group key (and an episode's sample and turn), so a
+    re-issued request samples the same."""
+    where = "/".join([key.as_str(), *map(str, turn)])
+    digest = hashlib.blake2b(f"{seed}/{where}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
@@ -116,6 +127,43 @@ def scored_group(
     )
 
 
+def scored_episodes(
+    key: GroupKey,
+    prompt: Prompt,
+    trajectories: list[Trajectory],
+    scores: Scores,
+    algorithm: AlgorithmConfig,
+    env_weight: float,
+) -> ScoredGroup:
+    """A group of episodes for the buffer: the reward is the scorer mix over each transcript
+    plus ``env_weight`` x the environment's rewards (reported as the ``env`` score), the
+    advantage per episode, spread by the buffer over the policy's tokens only."""
+    env = torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32)  # [n]
+    completions = Completions(
+        group_key=key,
+        completions=[
+            Completion(
+                token_ids=torch.tensor(t.ids, dtype=torch.int32),
+                logprobs=torch.tensor(t.logprobs, dtype=torch.float32),
+                finish_reason=t.finish_reason,
+                policy_version_min=min((v for v in t.versions if v >= 0), default=0),
+                policy_version_max=max(t.versions, default=0),
+            )
+            for t in trajectories
+        ],
+    )
+    mixed = dataclasses.replace(
+        scores, rewards=scores.rewards.to(torch.float32) + env_weight * env, components={**scores.components, "env": env}
+    )
+    group = scored_group(key, prompt, completions, mixed, algorithm, max_new_tokens=0)
+    return dataclasses.replace(
+        group,
+        completion_masks=[torch.tensor(t.mask, dtype=torch.bool) for t in trajectories],
+        token_versions=[torch.tensor(t.versions, dtype=torch.int64) for t in trajectories],
+        episodes=[t.info for t in trajectories],
+    )
+
+
 class Controller:
     """Drives the prompts of one shard; see the module docstring for the loop."""
 
@@ -131,9 +179,11 @@ class Controller:
         seed: int,
         eval_prompts: list[Prompt] | None = None,
         evaluation: EvalConfig | None = None,
+        episodes: tuple[EpisodeRunner, EnvFactory] | None = None,
     ) -> None:
         """``eval_prompts``: the held-out prompts the buffer's eval keys index, sampled as
-        ``evaluation`` says."""
+        ``evaluation`` says. ``episodes``: run each sample as a multi-turn episode with this
+        runner, against a new environment from this factory."""
         if not 0 <= shard < config.num_controllers:
             raise ValueError(f"shard {shard} is outside 0..{config.num_controllers - 1}")
         self.config = config
@@ -145,6 +195,7 @@ class Controller:
         self.seed = seed
         self.eval_prompts = eval_prompts or []
         self.evaluation = evaluation or EvalConfig()
+        self.episodes = episodes
         self.delivered = 0  # groups this incarnation handed to the buffer
         self.reissued = 0  # requests re-sent after a lost or silent worker
         self._tasks: dict[GroupKey, asyncio.Task[None]] = {}
@@ -223,26 +274,76 @@ class Controller:
 
     async def _group(self, key: GroupKey, min_version: int) -> None:
         prompt, request = self._request(key, min_version)
-        prompt_ids = request.prompt_ids
-        completions = await self._call("generator", request, Completions)
-        scores = await self._call(
-            "reward",
-            ScoreRequest(
-                group_key=key,
-                prompt_ids=prompt_ids,
-                completion_ids=[c.token_ids for c in completions.completions],
-                finish_reasons=[c.finish_reason for c in completions.completions],
-                metadata=prompt.metadata,
-            ),
-            Scores,
-        )
-        group = scored_group(key, prompt, completions, scores, self.algorithm, self.config.max_new_tokens)
+        if self.episodes is not None:
+            group = await self._episode_group(key, prompt, request)
+        else:
+            completions = await self._call("generator", request, Completions)
+            items = completions.completions
+            scores = await self._score(key, prompt, request.prompt_ids, [c.token_ids for c in items], [c.finish_reason for c in items])
+            group = scored_group(key, prompt, completions, scores, self.algorithm, self.config.max_new_tokens)
         self._submitting.add(key)
         try:
             await self._call("buffer", group, Ack)
             self.delivered += 1
         finally:
             self._submitting.discard(key)
+
+    async def _score(
+        self, key: GroupKey, prompt: Prompt, prompt_ids: torch.Tensor, completion_ids: list[torch.Tensor], finish_reasons: list[str]
+    ) -> Scores:
+        request = ScoreRequest(
+            group_key=key, prompt_ids=prompt_ids, completion_ids=completion_ids, finish_reasons=finish_reasons,
+            metadata=prompt.metadata,
+        )  # fmt: skip
+        return await self._call("reward", request, Scores)
+
+    async def _episode_group(self, key: GroupKey, prompt: Prompt, request: GenerateRequest) -> ScoredGroup:
+        """The group's n episodes, each its own task (no barrier between their turns), then
+        scored together. Every episode of a group resets its environment with the group's
+        seed: n attempts at one task, as GRPO compares them."""
+        assert self.episodes is not None
+        runner, new_env = self.episodes
+        seed = sampling_seed(self.seed, key)
+        row: dict[str, Any] = {**prompt.metadata, "prompt": prompt.text, "index": prompt.index}
+
+        async def episode(sample: int) -> tuple[list[int], Trajectory]:
+            env = new_env()
+            try:
+                prompt_ids = await runner.start(env, seed=seed, row=row, prompt_ids=prompt.prompt_ids)
+                turns = 0
+
+                async def generate(ids: list[int], budget: int) -> Completion:
+                    nonlocal turns
+                    sampling = dataclasses.replace(
+                        request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
+                        seed=sampling_seed(self.seed, key, sample, turns),
+                    )  # fmt: skip
+                    turns += 1
+                    turn = GenerateRequest(
+                        group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
+                        min_policy_version=request.min_policy_version,
+                    )  # fmt: skip
+                    return (await self._call("generator", turn, Completions)).completions[0]
+
+                return prompt_ids, await runner.run(env, prompt_ids, generate)
+            finally:
+                close = getattr(env, "close", None)
+                if callable(close):
+                    close()
+
+        episodes = await asyncio.gather(*(episode(i) for i in range(request.n)))
+        prompt_ids = episodes[0][0]
+        if any(ids != prompt_ids for ids, _ in episodes):
+            raise ActorFailed(
+                f"controller {self.shard}: group {key.as_str()}: the environment's reset gave its episodes different "
+                "first observations for one seed; a group is n attempts at one task: make reset follow its seed"
+            )
+        trajectories = [t for _, t in episodes]
+        ids = torch.tensor(prompt_ids, dtype=torch.int32)
+        transcripts = [torch.tensor(t.ids, dtype=torch.int32) for t in trajectories]
+        scores = await self._score(key, prompt, ids, transcripts, [t.finish_reason for t in trajectories])
+        episode_prompt = dataclasses.replace(prompt, prompt_ids=prompt_ids)
+        return scored_episodes(key, episode_prompt, trajectories, scores, self.algorithm, runner.config.reward_weight)
 
     async def _call(self, role: str, msg: Message, expect: type[R], *, timeout: float | None = None) -> R:
         """Send ``msg`` to the least-busy live member of ``role``; re-issue it elsewhere when

@@ -100,6 +100,25 @@ def validate_group(group: ScoredGroup, group_size: int) -> None:
             raise ProtocolError(f"{where}: scores[{scorer!r}] must be {n} finite numbers (got {scores.tolist()})")
     if group.failures and len(group.failures) != n:
         raise ProtocolError(f"{where}: failures has {len(group.failures)} entries, completion_ids {n}")
+    _validate_episodes(group, where)
+
+
+def _validate_episodes(group: ScoredGroup, where: str) -> None:
+    """A multi-turn group's masks and per-token versions: one per token of each completion,
+    and at least one token of the policy's own in each (else nothing of it trains)."""
+    n = len(group.completion_ids)
+    for name in ("completion_masks", "token_versions", "episodes"):
+        if getattr(group, name) and len(getattr(group, name)) != n:
+            raise ProtocolError(f"{where}: {name} has {len(getattr(group, name))} entries, completion_ids {n}")
+    for name in ("completion_masks", "token_versions"):
+        for i, (ids, values) in enumerate(zip(group.completion_ids, getattr(group, name), strict=False)):
+            if values.shape != ids.shape:
+                raise ProtocolError(
+                    f"{where}: {name}[{i}] has shape {tuple(values.shape)}, completion_ids[{i}] {tuple(ids.shape)}; one per token"
+                )
+    for i, mask in enumerate(group.completion_masks):
+        if mask.dtype != torch.bool or (mask.numel() and not bool(mask.any())):
+            raise ProtocolError(f"{where}: completion_masks[{i}] must be bool with a policy token in it (got {mask.tolist()[:8]})")
 
 
 EMA_FLOOR = 1e-3
@@ -135,8 +154,29 @@ def step_report(consumed: list[tuple[ScoredGroup, bool]], *, rollouts: int) -> t
         scores = torch.cat([g.scores[name].float() for g in groups if name in g.scores])
         values[f"reward/{name}/mean"] = float(scores.mean())
         values[f"reward/{name}/std"] = float(scores.std(unbiased=False))
+    values.update(episode_report(groups))
     ordered = [g for g, trained in consumed if trained] + [g for g, trained in consumed if not trained]
     return values, ordered[:rollouts]
+
+
+def episode_report(groups: list[ScoredGroup]) -> dict[str, float]:
+    """Multi-turn groups' metrics (none for single-turn ones): episode/turns/mean,
+    episode/tool_errors/mean (per episode), episode/ended/<how> (the share that ended so:
+    done, truncated, max_turns, budget, timeout, env_error) and episode/obs_share (the
+    share of an episode's tokens that are observations: no loss)."""
+    episodes = [e for g in groups for e in g.episodes]
+    if not episodes:
+        return {}
+    masks = [m for g in groups for m in g.completion_masks]
+    tokens = sum(m.numel() for m in masks)
+    values = {
+        "episode/turns/mean": sum(e.turns for e in episodes) / len(episodes),
+        "episode/tool_errors/mean": sum(e.tool_errors for e in episodes) / len(episodes),
+        "episode/obs_share": (tokens - sum(int(m.sum()) for m in masks)) / max(tokens, 1),
+    }
+    for how in sorted({e.ended for e in episodes}):
+        values[f"episode/ended/{how}"] = sum(e.ended == how for e in episodes) / len(episodes)
+    return values
 
 
 def pack(group: ScoredGroup) -> bytes:
@@ -754,9 +794,12 @@ class SamplingBuffer:
             input_ids[b, :p] = group.prompt_ids
             input_ids[b, p : p + c] = group.completion_ids[i]
             attention[b, : p + c] = True
-            loss_mask[b, p : p + c] = True
+            # An episode's observations (mask 0) are not the policy's actions: no loss, no KL,
+            # not in the token mean, no advantage.
+            own = group.completion_masks[i] if group.completion_masks else torch.ones(c, dtype=torch.bool)
+            loss_mask[b, p : p + c] = own
             logprobs[b, p : p + c] = group.rollout_logprobs[i]
-            advantages[b, p : p + c] = group.advantages[i]
+            advantages[b, p : p + c] = group.advantages[i] * own
             versions[b] = group.policy_versions[i]
         return MicroBatch(
             step=step,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from collections.abc import Mapping
@@ -43,7 +44,7 @@ def build(cls: type[T], data: Mapping[str, object] | None, path: str = "") -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or cls.__name__} must be a mapping (got {type(data).__name__})")
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    fields = {config_key(f.name): f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
@@ -54,19 +55,26 @@ def build(cls: type[T], data: Mapping[str, object] | None, path: str = "") -> T:
     for name, f in fields.items():
         dotted = _join(path, name)
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], dotted)
+            kwargs[f.name] = _convert(hints[f.name], data[name], dotted)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{dotted} is required (type {_type_name(hints[name])})")
+            raise ConfigError(f"{dotted} is required (type {_type_name(hints[f.name])})")
     try:
         return cls(**kwargs)
     except FieldError as e:
         raise ConfigError(f"{_join(path, e.path)} {e.detail}") from None
 
 
+def config_key(name: str) -> str:
+    """The config key of a field: its name, but a Python keyword's without the trailing
+    underscore that lets a dataclass have it (``env.class`` is the field ``class_``)."""
+    bare = name.removesuffix("_")
+    return bare if keyword.iskeyword(bare) else name
+
+
 def to_dict(obj: object) -> Any:
     """The plain-data form of a config (what ``build`` takes back)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {config_key(f.name): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

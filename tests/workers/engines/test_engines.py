@@ -109,7 +109,7 @@ def check_shape(sample: Sample, sampling: SamplingParams) -> None:
     # Only the last token may be a stop token, and it is there exactly when the sample stopped.
     assert not stops.intersection(sample.token_ids[:-1])
     if sample.finish_reason == "stop":
-        assert sample.token_ids[-1] in stops
+        assert sample.token_ids[-1] in stops or sampling.stop  # (a stop string: its test checks the text)
     else:
         assert sample.finish_reason == "length"
         assert len(sample.token_ids) == sampling.max_new_tokens
@@ -190,6 +190,36 @@ def test_stop_tokens_end_samples(engine: Engine) -> None:
         check_shape(s, many)
         assert s.finish_reason == "stop"
     assert len({len(s.token_ids) for s in samples}) > 1
+
+
+def test_stop_strings_end_samples_on_whole_tokens(engine: Engine, tiny_model_dir: Path) -> None:
+    """A stop string (an agent's ``</tool>``) ends a sample with the token that completes
+    it, kept whole; the rows of one call end at their own stop; no stop string: as before."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def text(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    greedy = sp(temperature=0.0, max_new_tokens=16)
+    tokens = engine.generate([PromptRequest(prompt_ids=PROMPTS[0], n=1, sampling=greedy)])[0][0].token_ids
+    # A stop string the prefix's text ends with, of whole characters (a byte-level
+    # tokenizer's partial UTF-8 decodes to U+FFFD until its last byte arrives).
+    stop = next(
+        end for k in range(4, 16) if len(end := text(tokens[:k])[-2:]) == 2 and end.isascii() and end.isprintable()
+    )
+    sample = engine.generate([PromptRequest(prompt_ids=PROMPTS[0], n=1, sampling=sp(temperature=0.0, max_new_tokens=16, stop=[stop]))])[0][0]
+    cut = len(sample.token_ids)
+    assert sample.token_ids == tokens[:cut] and sample.finish_reason == "stop", (stop, sample, tokens)
+    assert stop in text(sample.token_ids) and stop not in text(sample.token_ids[:-1]), "cut at the token completing it"
+    # Sampled rows: each ends at its own first stop string (or runs to the limit).
+    sampled = sp(temperature=1.0, max_new_tokens=24, stop=["e", "a"], seed=5)
+    for s in engine.generate([PromptRequest(prompt_ids=PROMPTS[1], n=6, sampling=sampled)])[0]:
+        check_shape(s, sampled)
+        found = any(c in text(s.token_ids) for c in "ea")
+        assert (s.finish_reason == "stop") == found or len(s.token_ids) == 24, (s, text(s.token_ids))
+        assert not any(c in text(s.token_ids[:-1]) for c in "ea"), "a row went on past its stop string"
 
 
 def test_max_new_tokens_gives_length(engine: Engine) -> None:

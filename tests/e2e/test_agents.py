@@ -1,0 +1,56 @@
+"""Multi-turn episodes through the launcher: every role started as in any run, the
+controllers driving episodes against a user environment (Gymnasium's convention) and
+against tools, the trainer training rows with holes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.faults import REPO, launch_run
+
+pytestmark = pytest.mark.slow
+
+
+def run(run_dir: Path, *items: str) -> None:
+    proc = launch_run(run_dir, list(items))
+    code = proc.wait(timeout=600)
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text(errors="replace")
+    assert code == 0, log[-4000:]
+
+
+def lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("example", ["agent_guess", "agent_calculator"])
+def test_the_agent_examples_run_episodes(tmp_path: Path, example: str) -> None:
+    run_dir = tmp_path / example
+    run(run_dir, str(REPO / "examples" / f"{example}.yaml"), "run.steps=3", "model.warm_start_steps=20")
+    rows = lines(run_dir / "metrics.jsonl")
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]  # type: ignore[call-overload]
+    assert all("episode/turns/mean" in r and "episode/obs_share" in r for r in rows)
+    rollouts = lines(run_dir / "rollouts.jsonl")
+    assert rollouts and all(r["turns"] and r["ended"] for r in rollouts)
+    if example == "agent_guess":
+        # Several turns, the environment's answer between them, its reward in the row.
+        assert max(len(r["turns"]) for r in rollouts) > 1  # type: ignore[arg-type]
+        assert any("Higher." in t["observation"] or "Lower." in t["observation"] for r in rollouts for t in r["turns"])  # type: ignore[attr-defined]
+        assert all("env" in r["scores"] for r in rollouts)  # type: ignore[operator]
+        assert any(float(r["episode/obs_share"]) > 0 for r in rows)  # type: ignore[arg-type]
+
+
+def test_an_environment_that_does_not_load_stops_the_run_before_it_starts(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "launch", "run", str(REPO / "examples" / "agent_guess.yaml"), "env.kwargs.high=1",
+         "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    said = out.stderr.strip().splitlines()
+    assert said[-1].startswith("yatt: config error: env.class: 'yatt.rl.agents.games:GuessNumber' cannot be made"), said
+    assert "high must be >= 2" in said[-1] and not (tmp_path / "run" / "logs").exists()

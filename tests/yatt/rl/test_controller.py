@@ -1,0 +1,200 @@
+"""A real controller in this process, driving multi-turn episodes through a real registry,
+a real generator actor (its engine scripted: the completion of each prompt and turn is
+written here), a real reward worker and a real buffer, over loopback. What is checked is
+what the buffer serves a trainer rank: masks with holes on the observations, per-token
+versions across a weight update between turns, the rows built."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from protocols.messages import MicroBatch, MicroBatchRequest, ScoredGroup
+from workers.engines.base import PromptRequest, Sample
+from workers.generator import Generator
+from workers.reward.worker import Reward
+from yatt.rl.agents.envs import env_factory
+from yatt.rl.agents.episodes import EpisodeRunner
+from yatt.rl.agents.render import Renderer
+from yatt.rl.buffer import Buffer
+from yatt.rl.config import (
+    BufferConfig,
+    ControllerConfig,
+    EnvConfig,
+    GeneratorConfig,
+    RewardConfig,
+    ScorerConfig,
+)
+from yatt.rl.controller import Controller
+from yatt.rl.data import Prompt
+from yatt.runtime.actor import Client
+from yatt.runtime.registry import Directory, Registration, Registry
+from yatt.runtime.transport import Transport
+
+LOCAL = "tcp://127.0.0.1:*"
+CALL, ANSWER = '<tool>calculator("3 * 7")</tool>', "Answer: 21"
+
+
+class ScriptedEngine:
+    """An ``Engine`` whose turns are written by ``script(prompt text, sample)``: token ids of
+    that text (EOS added unless the text ends on a stop string), log-prob -0.25 each. After
+    each call the generator's version goes up by one, as if weights arrived between turns."""
+
+    def __init__(self, tokenizer: Any, script: Any) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.generator: Generator | None = None
+        self.calls: list[list[PromptRequest]] = []
+        self.lock = threading.Lock()
+
+    def generate(self, requests: Sequence[PromptRequest]) -> list[list[Sample]]:
+        with self.lock:
+            self.calls.append(list(requests))
+        out = []
+        for req in requests:
+            text = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
+            samples = []
+            for _ in range(req.n):
+                turn = self.script(text, req.sampling.seed)
+                ids = self.tokenizer.encode(turn, add_special_tokens=False)
+                stopped = any(turn.endswith(s) for s in req.sampling.stop)
+                ids = ids if stopped else [*ids, self.tokenizer.eos_token_id]
+                samples.append(Sample(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="stop"))
+            out.append(samples)
+        assert self.generator is not None
+        self.generator.version += 1
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise AssertionError("no weights are pushed here")
+
+    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        raise AssertionError("not used")
+
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def calculator_script(text: str, seed: int | None) -> str:
+    """Turn 1 calls the calculator; after its result, the answer."""
+    return ANSWER if "<result>21" in text else CALL
+
+
+async def run_group(
+    transport: Transport, tmp_path: Path, model_dir: Path, env: EnvConfig, script: Any, *, group_size: int = 2
+) -> tuple[ScoredGroup, MicroBatch, Any, ScriptedEngine]:
+    """One group through the controller: the buffer's accepted group and the micro-batch it
+    serves rank 0 of a 1-rank trainer."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = ScriptedEngine(tokenizer, script)
+    prompts = [Prompt(index=i, prompt_ids=tokenizer.encode(f"<|user|>What is 3 * 7? ({i})\n<|assistant|>"),
+                      text=f"What is 3 * 7? ({i})", metadata={"answer": "21"}) for i in range(4)]  # fmt: skip
+    buffer_config = BufferConfig(groups_per_step=1, group_size=group_size, filter="none", pad_token_id=0)
+    async with (
+        Registry(transport, endpoint=LOCAL, publish_endpoint=LOCAL) as registry,
+        Generator(transport, endpoint=LOCAL, engine=engine, config=GeneratorConfig()) as generator,
+        Reward(transport, endpoint=LOCAL, config=RewardConfig(scorers=[ScorerConfig(kind="exact_match")], processes=1),
+               tokenizer_path=str(model_dir)) as reward,
+        Buffer(transport, endpoint=LOCAL, config=buffer_config, num_prompts=len(prompts), num_shards=1, world_size=1,
+               seed=0, ledger_path=tmp_path / "ledger.db") as buffer,
+    ):  # fmt: skip
+        engine.generator = generator
+        async with (
+            Registration(transport, registry.endpoint, generator.info()),
+            Registration(transport, registry.endpoint, reward.info()),
+            Registration(transport, registry.endpoint, buffer.info()),
+            Directory(transport, registry.endpoint) as directory,
+        ):
+            await directory.wait_until(lambda d: all(d.members(r) for r in ("generator", "reward", "buffer")), timeout=30)
+            runner = EpisodeRunner(
+                env, Renderer(tokenizer, protocol="raw"), decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+                eos_ids={tokenizer.eos_token_id}, max_new_tokens=32, context=512,
+            )  # fmt: skip
+            controller = Controller(
+                ControllerConfig(num_controllers=1, plan_wait_s=0.2), buffer_config_algorithm(), shard=0,
+                group_size=group_size, prompts=prompts, directory=directory, seed=0, episodes=(runner, env_factory(env)),
+            )  # fmt: skip
+            stop = asyncio.Event()
+            running = asyncio.create_task(controller.run(stop))
+            try:
+                async with Client(transport, buffer.endpoint) as client:
+                    mb = await client.request(MicroBatchRequest(step=0, rank=0, world_size=1, index=0), MicroBatch, timeout=60)
+            finally:
+                stop.set()
+                await asyncio.wait_for(running, 30)
+            (group, _), *_ = buffer.core.step_groups[0]
+            return group, mb, tokenizer, engine
+
+
+def buffer_config_algorithm() -> Any:
+    from yatt.rl.config import AlgorithmConfig
+
+    return AlgorithmConfig()
+
+
+@pytest.fixture
+def calculator_env() -> EnvConfig:
+    return EnvConfig(tools=["yatt.rl.agents.tools:calculator"], max_turns=4)
+
+
+async def test_a_tool_episode_trains_the_policys_tokens_only(
+    transport: Transport, tmp_path: Path, tiny_model_dir: Path, calculator_env: EnvConfig
+) -> None:
+    group, mb, tokenizer, engine = await run_group(transport, tmp_path, tiny_model_dir, calculator_env, calculator_script)
+    call_ids = tokenizer.encode(CALL, add_special_tokens=False)
+    result_ids = tokenizer.encode("<result>21</result>", add_special_tokens=False)
+    answer_ids = [*tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
+    for i in range(2):
+        # Token in, token out: the row is the turns as sampled and the rendered result between them.
+        assert group.completion_ids[i].tolist() == call_ids + result_ids + answer_ids
+        assert group.completion_masks[i].tolist() == [True] * len(call_ids) + [False] * len(result_ids) + [True] * len(answer_ids)
+        assert group.rollout_logprobs[i].tolist() == [-0.25] * len(call_ids) + [0.0] * len(result_ids) + [-0.25] * len(answer_ids)
+        # Weights moved on between the turns: each token carries the version that sampled it.
+        assert group.token_versions[i].tolist() == [0] * len(call_ids) + [-1] * len(result_ids) + [1] * len(answer_ids)
+        assert int(group.policy_versions[i]) == 0
+        info = group.episodes[i]
+        assert (info.ended, info.turns, info.tool_errors) == ("done", 2, 0)
+    assert group.rewards.tolist() == [1.0, 1.0] and group.scores["exact_match"].tolist() == [1.0, 1.0]
+    # Turns of the two episodes went to the generator together, as separate requests of one
+    # batch (no barrier across the batch, nor within it: each is its own task).
+    assert [len(batch) for batch in engine.calls][:2] == [2, 2] or len(engine.calls) == 4
+    assert all(r.sampling.stop == ["</tool>"] and r.n == 1 for batch in engine.calls for r in batch)
+    # The row the trainer gets: prompt | call (loss) | result (no loss) | answer (loss).
+    p = len(group.prompt_ids)
+    row = mb.input_ids[0].tolist()
+    assert row[:p] == group.prompt_ids.tolist() and row[p : p + len(group.completion_ids[0])] == group.completion_ids[0].tolist()
+    assert mb.loss_mask[0, p : p + len(group.completion_ids[0])].tolist() == group.completion_masks[0].tolist()
+    assert not mb.loss_mask[0, :p].any()
+    hole = slice(p + len(call_ids), p + len(call_ids) + len(result_ids))
+    assert (mb.advantages[0, hole] == 0).all() and (mb.rollout_logprobs[0, hole] == 0).all()
+
+
+async def test_a_broken_call_is_an_observation_and_the_episode_goes_on(
+    transport: Transport, tmp_path: Path, tiny_model_dir: Path, calculator_env: EnvConfig
+) -> None:
+    """A call that does not parse gets an error the model reads; a later good call works;
+    the limit of turns ends an episode that never answers."""
+
+    def script(text: str, seed: int | None) -> str:
+        if "could not parse" not in text:
+            return "<tool>calculator(</tool>"
+        return CALL
+
+    group, _, tokenizer, _ = await run_group(transport, tmp_path, tiny_model_dir, calculator_env, script)
+    info = group.episodes[0]
+    assert (info.ended, info.turns, info.tool_errors) == ("max_turns", 4, 1)
+    text = tokenizer.decode(group.completion_ids[0].tolist())
+    assert "could not parse the tool call" in text and "<result>21</result>" in text
+    assert group.rewards.tolist() == [0.0, 0.0]

@@ -1,0 +1,16 @@
+"""Agents: multi-turn episodes with tools and environments.
+
+An episode is a conversation the controller drives turn by turn: the policy generates a
+turn (token ids in, token ids out), the environment (Gymnasium's ``reset``/``step``
+convention, or a set of plain Python tools) answers with an observation, the renderer
+turns that observation into token ids appended after the policy's own, untouched. The
+row trained is the concatenation: prompt | generated (loss) | observation (no loss) | ...
+
+- ``tools``: plain functions as tools (their JSON schema from signature and docstring),
+  tool calls parsed from tags or from the chat template's format, run with a timeout.
+- ``render``: observation messages -> token ids, per chat-template family, and the
+  start-up self-check that refuses a template whose rendering drifts.
+- ``envs``: loading a user's environment class (Gymnasium's convention), the tool environment.
+- ``episodes``: one episode's run, turn by turn, and the row it leaves (mask, versions).
+- ``games``: built-in environments (guess the number).
+"""

@@ -1,0 +1,139 @@
+"""Environments in Gymnasium's convention, text in and text out, and the tool environment.
+
+A user's environment is a class named by ``env.class`` ('module:Class'), made once per
+episode with ``env.kwargs``; yatt calls, as Gymnasium does (sync or ``async def``)::
+
+    obs, info = env.reset(seed=seed, options={"row": row})   # row: the data row's fields
+    obs, reward, terminated, truncated, info = env.step(action_text)
+
+An observation is text (a user message), one chat message ``{"role", "content"}``, a list
+of them, or None (reset: the data row's own prompt; step: nothing to add). ``reward`` may
+be None until the end. A ``gymnasium.Env`` with text observations and actions works as it
+is. ``info["tools"]`` from reset (OpenAI function schemas) goes to the chat template with
+the first prompt; ``info["tool_errors"]`` from a step counts in the episode's metrics.
+
+``ToolEnv`` is the environment of ``env.tools``: the prompt with the tools described, then
+each turn's tool calls run and their results returned, until a turn calls no tool (its
+answer). Every environment is checked before any process starts (``check_env``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from yatt.errors import PluginError
+from yatt.rl.agents.tools import (
+    Tool,
+    ToolCallError,
+    ToolProtocol,
+    call_tool,
+    format_result,
+    load_tools,
+    parse_tool_calls,
+    tool_instructions,
+)
+from yatt.rl.config import EnvConfig
+from yatt.runtime.plugins import load_plugin
+
+Message = dict[str, str]
+Observation = str | Message | list[Message] | None
+
+ENV_CLASS = (
+    "a class in Gymnasium's convention: reset(seed=, options=) -> (obs, info) and "
+    "step(action: str) -> (obs, reward, terminated, truncated, info), sync or async"
+)
+
+
+async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A user's ``reset``/``step``: awaited when ``async def``, else run in a worker thread
+    (a slow synchronous environment does not stall the controller's other episodes, and
+    its time limit can fire)."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args, **kwargs)
+    result = await asyncio.to_thread(method, *args, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+def messages_of(obs: Observation, *, role: str = "user") -> list[Message]:
+    """An observation as chat messages (text: one message of ``role``)."""
+    if obs is None:
+        return []
+    if isinstance(obs, str):
+        return [{"role": role, "content": obs}]
+    if isinstance(obs, dict):
+        return [obs]
+    if isinstance(obs, list) and all(isinstance(m, dict) for m in obs):
+        return list(obs)
+    raise TypeError(f"an observation is text, a chat message or a list of them (got {type(obs).__name__})")
+
+
+class ToolEnv:
+    """The environment of ``env.tools``: a turn that calls tools gets their results (or an
+    error the model can read: a call that does not parse, an unknown tool, bad arguments,
+    a raise, a timeout); a turn that calls none ends the episode (its answer is scored)."""
+
+    def __init__(self, tools: Sequence[Tool], *, protocol: ToolProtocol, timeout_s: float) -> None:
+        self.tools = {tool.name: tool for tool in tools}
+        self.protocol = protocol
+        self.timeout_s = timeout_s
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Observation, dict[str, Any]]:
+        """The data row's prompt, after a system message saying how to call the tools (tags)
+        or with the tools' schemas for the chat template (hermes)."""
+        row = (options or {}).get("row", {})
+        instructions = tool_instructions(list(self.tools.values()), protocol=self.protocol)
+        messages = [{"role": "system", "content": instructions}] if instructions else []
+        info = {"tools": [tool.schema for tool in self.tools.values()]} if self.protocol == "hermes" else {}
+        return [*messages, {"role": "user", "content": str(row.get("prompt", ""))}], info
+
+    async def step(self, action: str) -> tuple[Observation, float | None, bool, bool, dict[str, Any]]:
+        try:
+            calls = parse_tool_calls(action, protocol=self.protocol)
+        except ToolCallError as e:
+            return [{"role": "tool", "content": _inline(str(e), self.protocol)}], None, False, False, {"tool_errors": 1}
+        if not calls:
+            return None, None, True, False, {}
+        results = [await call_tool(self.tools, c, timeout_s=self.timeout_s) for c in calls]
+        messages = [format_result(r, protocol=self.protocol, name=c.name) for c, r in zip(calls, results, strict=True)]
+        return messages, None, False, False, {"tool_errors": sum(bool(r.error) for r in results)}
+
+
+def _inline(text: str, protocol: ToolProtocol) -> str:
+    """An error about the call itself, as the protocol returns results."""
+    return f"<result>{text}</result>" if protocol == "tags" else text
+
+
+EnvFactory = Callable[[], Any]
+
+
+def env_factory(config: EnvConfig) -> EnvFactory:
+    """What makes one environment per episode: the user's class with ``env.kwargs``, or the
+    tool environment. Loading errors are ``PluginError`` naming the field and the fix."""
+    if config.tools:
+        tools = load_tools(config.tools)
+        return lambda: ToolEnv(tools, protocol=config.protocol, timeout_s=config.tool_timeout_s)
+    cls = load_plugin(config.class_, field="env.class", expects=ENV_CLASS)
+    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
+    if missing:
+        raise PluginError(f"env.class: {config.class_!r} has no {' or '.join(missing)} method; it must be {ENV_CLASS}")
+    kwargs = dict(config.kwargs)
+    return lambda: cls(**kwargs)
+
+
+def check_env(config: EnvConfig) -> None:
+    """Before any process starts: the environment (or every tool) loads, and the class
+    takes ``env.kwargs``; one line naming it and the fix otherwise."""
+    make = env_factory(config)
+    try:
+        env = make()
+    except Exception as e:  # a user's constructor may raise anything: it is reported, not run with
+        raise PluginError(
+            f"env.class: {config.class_!r} cannot be made with env.kwargs={dict(config.kwargs)} "
+            f"({type(e).__name__}: {e}); fix the class or env.kwargs"
+        ) from e
+    close = getattr(env, "close", None)
+    if callable(close):
+        cast(Callable[[], None], close)()

@@ -183,6 +183,48 @@ class EpisodeInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TurnRecord(Message):
+    """One finished turn of an episode, pushed by a controller into the buffer's ledger
+    before the episode goes on: a restarted controller resumes the episode after its last
+    recorded turn (``TurnsRequest``) instead of from the start. Dropped once the group is
+    decided."""
+
+    KIND: ClassVar[bytes] = b"turn"
+
+    group_key: GroupKey
+    sample: int  # which of the group's episodes
+    turn: int  # 0-based, in the episode
+    token_ids: Tensor  # [L] int32, the policy's turn as sampled
+    logprobs: Tensor  # [L] float32, rollout log-probs
+    policy_version: int  # the version that sampled it
+    finish_reason: str  # "stop" or "length"
+    obs_ids: Tensor  # [O] int32, the observation appended after it (empty when the episode ended)
+    reward: float  # the environment's reward for it; NaN: none
+    tool_errors: int
+    ended: str = ""  # how the episode ended at this turn; "": it goes on
+    detail: str = ""  # the error that ended it, one line
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnsRequest(Message):
+    """A controller starting a group asks for its episodes' recorded turns."""
+
+    KIND: ClassVar[bytes] = b"turns?"
+
+    group_key: GroupKey
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnRecords(Message):
+    """The recorded turns of one group, by sample then turn (``TurnRecord``)."""
+
+    KIND: ClassVar[bytes] = b"turns"
+
+    group_key: GroupKey
+    records: list[TurnRecord]
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepReport(Message):
     """What the buffer saw of one step's groups (every group it consumed for the step,
     trained or filtered): reward, per-scorer, failure and length statistics, and a sample
@@ -388,6 +430,9 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     ScoreRequest,
     Scores,
     ScoredGroup,
+    TurnRecord,
+    TurnsRequest,
+    TurnRecords,
     StepReport,
     MicroBatchRequest,
     MicroBatch,

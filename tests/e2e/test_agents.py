@@ -54,3 +54,66 @@ def test_an_environment_that_does_not_load_stops_the_run_before_it_starts(tmp_pa
     said = out.stderr.strip().splitlines()
     assert said[-1].startswith("yatt: config error: env.class: 'yatt.rl.agents.games:GuessNumber' cannot be made"), said
     assert "high must be >= 2" in said[-1] and not (tmp_path / "run" / "logs").exists()
+
+
+def recorded_turns(run_dir: Path) -> list[tuple[int, int, int, int]]:
+    """(shard, prompt_index, sample, turn) of each turn the ledger holds now."""
+    import sqlite3
+
+    if not (run_dir / "ledger.db").exists():
+        return []
+    db = sqlite3.connect(f"file:{run_dir / 'ledger.db'}?mode=ro", uri=True)
+    try:
+        return [tuple(r) for r in db.execute("SELECT shard, prompt_index, sample, turn FROM turns")]
+    except sqlite3.OperationalError:  # (the buffer has not made the table yet)
+        return []
+    finally:
+        db.close()
+
+
+def accepted_episodes(run_dir: Path) -> dict[str, list[list[int]]]:
+    """Each trained group's episodes (token ids after the prompt), by group key."""
+    from yatt.rl.ledger import Ledger
+    from yatt.rl.sampling import unpack
+
+    ledger = Ledger(run_dir / "ledger.db")
+    try:
+        trained = sorted({e.key for e in ledger.entries("trained")}, key=lambda k: k.as_str())
+        return {
+            key.as_str(): [ids.tolist() for ids in unpack(e.payload or b"").completion_ids]
+            for key, e in ledger.decided(trained, 1 << 62).items()
+        }  # fmt: skip
+    finally:
+        ledger.close()
+
+
+def test_a_controller_killed_mid_episode_resumes_its_episodes_losing_no_turn(tmp_path: Path) -> None:
+    """SIGKILL a controller once the ledger holds the second turn of one of its episodes
+    (of 4): the launcher restarts it, it resumes those episodes after their recorded turns
+    (its log says so), and every group trains the same episodes, token for token, as an
+    undisturbed run."""
+    import os
+    import signal
+    import time
+
+    from benchmarks.fuzzing import role_processes
+
+    items = [str(REPO / "examples" / "agent_guess.yaml"), "run.steps=4", "placement.layout=disaggregated"]
+    reference = tmp_path / "undisturbed"
+    run(reference, *items)
+    run_dir = tmp_path / "killed"
+    proc = launch_run(run_dir, items, env={"YATT_LOG_LEVEL": "INFO"})
+    deadline = time.monotonic() + 300
+    while not (second := [t for t in recorded_turns(run_dir) if t[3] == 1]):
+        assert time.monotonic() < deadline and proc.poll() is None, "no episode reached its second turn"
+        time.sleep(0.02)
+    shard = second[0][0]
+    os.kill(role_processes(run_dir)[f"controller-{shard}"], signal.SIGKILL)
+    code = proc.wait(timeout=600)
+    log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text(errors="replace")
+    assert code == 0, log[-4000:]
+    assert f"controller-{shard} exited" in log
+    resumed = (run_dir / "logs" / f"controller-{shard}.log").read_text()
+    assert "resumes after turn" in resumed, resumed[-3000:]
+    episodes = accepted_episodes(run_dir)
+    assert len(episodes) == 4 * 8 and episodes == accepted_episodes(reference)

@@ -67,6 +67,22 @@ SAMPLES: list[P.Message] = [
         scores={"math": torch.tensor([1.0])},
         failures=[""],
     ),
+    P.TurnsRequest(group_key=KEY),
+    P.TurnRecords(
+        group_key=KEY,
+        records=[
+            P.TurnRecord(
+                group_key=KEY, sample=1, turn=2, token_ids=torch.tensor([5, 6], dtype=torch.int32),
+                logprobs=torch.tensor([-0.5, -0.25]), policy_version=3, finish_reason="stop",
+                obs_ids=torch.tensor([7], dtype=torch.int32), reward=0.5, tool_errors=1, ended="", detail="",
+            ),
+        ],
+    ),
+    P.TurnRecord(
+        group_key=KEY, sample=0, turn=0, token_ids=torch.tensor([5], dtype=torch.int32), logprobs=torch.tensor([-1.0]),
+        policy_version=0, finish_reason="length", obs_ids=torch.tensor([], dtype=torch.int32), reward=1.0,
+        tool_errors=0, ended="done", detail="",
+    ),
     P.StepReport(
         step=3,
         values={"reward/mean": 0.5},

@@ -7,6 +7,8 @@ micro-batch is assembled, so training starts before the step's batch is complete
 
     controllers --ScoredGroup--> offer -> Ack{decision}      (ledger written first)
     controllers --PlanRequest--> (wait for a new plan) -> DispatchPlan
+    controllers --TurnRecord--> an episode's finished turn into the ledger -> Ack
+    controllers --TurnsRequest--> a group's recorded turns (resuming its episodes) -> TurnRecords
     trainer r   --MicroBatchRequest(step, index)--> (wait for the wave) -> MicroBatch
     trainer 0   --PolicyVersion(k+1)--> reopens the window (on-policy mode)
     trainer 0   --Query("evaluate", version)--> (wait for the round) -> StepReport of eval/*
@@ -46,12 +48,15 @@ from protocols.messages import (
     Query,
     ScoredGroup,
     StepReport,
+    TurnRecord,
+    TurnRecords,
+    TurnsRequest,
 )
 from yatt.errors import ConfigError, ProtocolError, RunStopped, StorageError
 from yatt.rl.config import BufferConfig, EvalConfig
 from yatt.rl.evaluation import EvalRound, is_eval
 from yatt.rl.ledger import Ledger
-from yatt.rl.sampling import SamplingBuffer, check_world_size, step_report
+from yatt.rl.sampling import SamplingBuffer, check_world_size, pack, step_report, unpack_turn
 from yatt.runtime import trace
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.transport import Transport
@@ -160,12 +165,33 @@ class Buffer(Actor):
             return await self._offer_eval(msg)
         with trace.span("offer"), self._ledger_writes():
             decision = self.core.offer(msg)
+            self.ledger.drop_turns(msg.group_key)  # (in the decision's commit: its episodes are in its payload)
         self._decisions[decision] = self._decisions.get(decision, 0) + 1
         await self._durable()  # the ledger has it before anyone hears of it
         await self._notify()
         if self.core.stalled:
             self.spawn(self._stop_with(RunStopped(self.core.stalled)), name="stalled")
         return Ack(info={"decision": decision})
+
+    @handles(TurnRecord)
+    async def turn(self, msg: TurnRecord) -> Ack:
+        """A finished turn of an episode in flight, durable before the controller goes on."""
+        size = self.core.config.group_size if not is_eval(msg.group_key) else None
+        if msg.turn < 0 or msg.sample < 0 or (size is not None and msg.sample >= size):
+            raise ProtocolError(
+                f"TurnRecord {msg.group_key.as_str()}: sample {msg.sample}, turn {msg.turn}: a group has samples "
+                f"0..{(size or 1) - 1} and turns from 0"
+            )
+        with self._ledger_writes():
+            self.ledger.record_turn(msg.group_key, msg.sample, msg.turn, pack(msg))
+        await self._durable()
+        return Ack()
+
+    @handles(TurnsRequest)
+    async def turns(self, msg: TurnsRequest) -> TurnRecords:
+        """What a (restarted) controller resumes a group's episodes from."""
+        records = [unpack_turn(payload) for payload in self.ledger.turns(msg.group_key)]
+        return TurnRecords(group_key=msg.group_key, records=records)
 
     async def _offer_eval(self, msg: ScoredGroup) -> Ack:
         """A result of an evaluation: kept by the round it belongs to (late ones of another

@@ -34,7 +34,9 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -54,11 +56,14 @@ from protocols.messages import (
     ScoredGroup,
     ScoreRequest,
     Scores,
+    TurnRecord,
+    TurnRecords,
+    TurnsRequest,
 )
 from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, TransportError
 from yatt.rl import rl_math
 from yatt.rl.agents.envs import EnvFactory
-from yatt.rl.agents.episodes import EpisodeRunner, Trajectory
+from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Trajectory, Turn
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EvalConfig
 from yatt.rl.data import Prompt
 from yatt.rl.evaluation import GREEDY, eval_version, is_eval
@@ -162,6 +167,25 @@ def scored_episodes(
         token_versions=[torch.tensor(t.versions, dtype=torch.int64) for t in trajectories],
         episodes=[t.info for t in trajectories],
     )
+
+
+def turn_record(key: GroupKey, sample: int, turn: Turn) -> TurnRecord:
+    return TurnRecord(
+        group_key=key, sample=sample, turn=turn.index, token_ids=torch.tensor(turn.token_ids, dtype=torch.int32),
+        logprobs=torch.tensor(turn.logprobs, dtype=torch.float32), policy_version=turn.version,
+        finish_reason=turn.finish_reason, obs_ids=torch.tensor(turn.obs_ids, dtype=torch.int32),
+        reward=float("nan") if turn.reward is None else turn.reward, tool_errors=turn.tool_errors, ended=turn.ended,
+        detail=turn.detail,
+    )  # fmt: skip
+
+
+def turn_of(record: TurnRecord) -> Turn:
+    return Turn(
+        index=record.turn, token_ids=record.token_ids.tolist(), logprobs=record.logprobs.tolist(),
+        version=record.policy_version, finish_reason=record.finish_reason, obs_ids=record.obs_ids.tolist(),
+        reward=None if math.isnan(record.reward) else record.reward, tool_errors=record.tool_errors,
+        ended=record.ended, detail=record.detail,
+    )  # fmt: skip
 
 
 class Controller:
@@ -302,34 +326,29 @@ class Controller:
         scored together. Every episode of a group resets its environment with the group's
         seed: n attempts at one task, as GRPO compares them."""
         assert self.episodes is not None
-        runner, new_env = self.episodes
-        seed = sampling_seed(self.seed, key)
+        runner = self.episodes[0]
         row: dict[str, Any] = {**prompt.metadata, "prompt": prompt.text, "index": prompt.index}
 
+        # A restarted controller (or a re-issued group) resumes each episode after its last
+        # recorded turn; an evaluation's episodes are not recorded (they are not trained).
+        recorded: dict[int, list[Turn]] = {}
+        if not is_eval(key):
+            for r in (await self._call("buffer", TurnsRequest(group_key=key), TurnRecords)).records:
+                recorded.setdefault(r.sample, []).append(turn_of(r))
+
+        async def record(sample: int, turn: Turn) -> None:
+            if not is_eval(key):
+                await self._call("buffer", turn_record(key, sample, turn), Ack)
+
         async def episode(sample: int) -> tuple[list[int], Trajectory]:
-            env = new_env()
+            turns = recorded.get(sample, [])
+            if turns:
+                logger.info("controller %d: group %s sample %d resumes after turn %d (recorded)", self.shard, key.as_str(), sample, len(turns) - 1)
             try:
-                prompt_ids = await runner.start(env, seed=seed, row=row, prompt_ids=prompt.prompt_ids)
-                turns = 0
-
-                async def generate(ids: list[int], budget: int) -> Completion:
-                    nonlocal turns
-                    sampling = dataclasses.replace(
-                        request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
-                        seed=sampling_seed(self.seed, key, sample, turns),
-                    )  # fmt: skip
-                    turns += 1
-                    turn = GenerateRequest(
-                        group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
-                        min_policy_version=request.min_policy_version,
-                    )  # fmt: skip
-                    return (await self._call("generator", turn, Completions)).completions[0]
-
-                return prompt_ids, await runner.run(env, prompt_ids, generate)
-            finally:
-                close = getattr(env, "close", None)
-                if callable(close):
-                    close()
+                return await self._episode(key, sample, request, row, recorded=turns, record=record)
+            except Diverged as e:
+                logger.warning("controller %d: group %s sample %d runs again from its start: %s", self.shard, key.as_str(), sample, e)
+                return await self._episode(key, sample, request, row, recorded=[], record=record)
 
         episodes = await asyncio.gather(*(episode(i) for i in range(request.n)))
         prompt_ids = episodes[0][0]
@@ -344,6 +363,44 @@ class Controller:
         scores = await self._score(key, prompt, ids, transcripts, [t.finish_reason for t in trajectories])
         episode_prompt = dataclasses.replace(prompt, prompt_ids=prompt_ids)
         return scored_episodes(key, episode_prompt, trajectories, scores, self.algorithm, runner.config.reward_weight)
+
+    async def _episode(
+        self, key: GroupKey, sample: int, request: GenerateRequest, row: dict[str, Any], *, recorded: list[Turn],
+        record: Callable[[int, Turn], Awaitable[None]],
+    ) -> tuple[list[int], Trajectory]:  # fmt: skip
+        """One episode of ``key``: a new environment reset with the group's seed, its
+        recorded turns replayed, each new turn generated (sampled with a seed of its key,
+        sample and turn: a re-issue samples the same) and recorded."""
+        assert self.episodes is not None
+        runner, new_env = self.episodes
+        env = new_env()
+        try:
+            prompt = self.eval_prompts[key.prompt_index] if is_eval(key) else self.prompts[key.prompt_index]
+            prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=prompt.prompt_ids)
+
+            turns = len(recorded)
+
+            async def generate(ids: list[int], budget: int) -> Completion:
+                nonlocal turns
+                sampling = dataclasses.replace(
+                    request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
+                    seed=sampling_seed(self.seed, key, sample, turns),
+                )  # fmt: skip
+                turns += 1
+                turn = GenerateRequest(
+                    group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
+                    min_policy_version=request.min_policy_version,
+                )  # fmt: skip
+                return (await self._call("generator", turn, Completions)).completions[0]
+
+            trajectory = await runner.run(
+                env, prompt_ids, generate, recorded=recorded, record=lambda turn: record(sample, turn)
+            )
+            return prompt_ids, trajectory
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
 
     async def _call(self, role: str, msg: Message, expect: type[R], *, timeout: float | None = None) -> R:
         """Send ``msg`` to the least-busy live member of ``role``; re-issue it elsewhere when

@@ -64,6 +64,16 @@ CREATE TABLE IF NOT EXISTS snapshots (
     seq INTEGER PRIMARY KEY,  -- the last row the state had seen (a checkpoint's mark)
     state BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS turns (  -- the finished turns of episodes in flight (yatt.rl.agents)
+    epoch INTEGER NOT NULL,
+    shard INTEGER NOT NULL,
+    prompt_index INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    sample INTEGER NOT NULL,
+    turn INTEGER NOT NULL,
+    payload BLOB NOT NULL,
+    PRIMARY KEY (epoch, shard, prompt_index, attempt, sample, turn)
+);
 """
 
 
@@ -191,9 +201,49 @@ class Ledger:
         return found
 
     def rewind(self, mark: int, reason: str) -> None:
-        """Void every row after ``mark`` (going back to a checkpoint); durable at once."""
+        """Void every row after ``mark`` (going back to a checkpoint); durable at once. The
+        episodes' recorded turns go too: some were sampled by weights the rewind discards."""
         self.record(NO_KEY, "rewind", reason, mark=mark)
+        self._write("DELETE FROM turns", ())
         self.commit()
+
+    # ------------------------------------------------------------ episodes' turns
+
+    def record_turn(self, key: GroupKey, sample: int, turn: int, payload: bytes) -> None:
+        """Keep one finished turn of an episode in flight (the encoded ``TurnRecord``); a
+        record of the same turn replaces it (an episode run again from its start, its
+        environment not replaying the same). Durable when this returns, or with
+        ``group_commit`` at the next ``commit()``."""
+        self._write(
+            "INSERT OR REPLACE INTO turns (epoch, shard, prompt_index, attempt, sample, turn, payload)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key.epoch, key.shard, key.prompt_index, key.attempt, sample, turn, payload),
+        )
+
+    def turns(self, key: GroupKey) -> list[bytes]:
+        """The recorded turns of ``key``'s episodes, by sample then turn."""
+        rows = self._db.execute(
+            "SELECT payload FROM turns WHERE epoch = ? AND shard = ? AND prompt_index = ? AND attempt = ?"
+            " ORDER BY sample, turn",
+            (key.epoch, key.shard, key.prompt_index, key.attempt),
+        ).fetchall()
+        return [bytes(payload) for (payload,) in rows]
+
+    def drop_turns(self, key: GroupKey) -> None:
+        """Forget ``key``'s turns: its group is decided, its episodes are in its payload."""
+        self._write(
+            "DELETE FROM turns WHERE epoch = ? AND shard = ? AND prompt_index = ? AND attempt = ?",
+            (key.epoch, key.shard, key.prompt_index, key.attempt),
+        )
+
+    def _write(self, sql: str, args: tuple[object, ...]) -> int:
+        """One write in the current transaction (``group_commit``) or on its own; the rows it changed."""
+        try:
+            if self.group_commit and not self._db.in_transaction:
+                self._db.execute("BEGIN")
+            return int(self._db.execute(sql, args).rowcount)
+        except sqlite3.Error as e:
+            raise storage_error(self.path, e) from e
 
     def empty(self) -> bool:
         return int(self._db.execute("SELECT COUNT(*) FROM decisions").fetchone()[0]) == 0

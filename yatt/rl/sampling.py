@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from protocols.codec import decode, decode_fields, encode
-from protocols.messages import GroupKey, MicroBatch, ScoredGroup
+from protocols.messages import GroupKey, MicroBatch, ScoredGroup, TurnRecord
 from yatt.errors import ConfigError, ProtocolError
 from yatt.rl.config import BufferConfig
 from yatt.rl.ledger import EVENT_STATUSES, GROUP_STATUSES, Ledger, Status
@@ -179,9 +179,16 @@ def episode_report(groups: list[ScoredGroup]) -> dict[str, float]:
     return values
 
 
-def pack(group: ScoredGroup) -> bytes:
-    """A group as the ledger stores it: its wire frames in one msgpack blob."""
-    return msgpack.packb([bytes(f) for f in encode(group)], use_bin_type=True)  # type: ignore[no-any-return]
+def pack(msg: ScoredGroup | TurnRecord) -> bytes:
+    """A group (or an episode's turn) as the ledger stores it: its wire frames in one msgpack blob."""
+    return msgpack.packb([bytes(f) for f in encode(msg)], use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack_turn(payload: bytes) -> TurnRecord:
+    msg = decode(msgpack.unpackb(payload, raw=False))
+    if not isinstance(msg, TurnRecord):
+        raise ValueError(f"a ledger turn holds a {type(msg).__name__}, not a TurnRecord")
+    return msg
 
 
 def unpack(payload: bytes) -> ScoredGroup:

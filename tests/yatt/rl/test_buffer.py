@@ -14,6 +14,7 @@ import torch
 from protocols.messages import (
     Ack,
     DispatchPlan,
+    GroupKey,
     Metrics,
     MicroBatch,
     MicroBatchRequest,
@@ -22,6 +23,9 @@ from protocols.messages import (
     Query,
     ScoredGroup,
     StepReport,
+    TurnRecord,
+    TurnRecords,
+    TurnsRequest,
 )
 from tests.yatt.rl.test_sampling import N_PROMPTS, make_group
 from yatt.errors import RemoteError
@@ -240,3 +244,33 @@ async def test_a_rewind_can_give_the_trainer_group_a_new_size(transport: Transpo
         assert mb.input_ids.shape[0] == 4, "one rank takes the whole wave (2 groups x 2 samples)"
         with pytest.raises(RemoteError, match="runs with world size 2, the buffer with 1"):
             await client.request(MicroBatchRequest(step=0, rank=1, world_size=2, index=0), MicroBatch)
+
+
+def turn_record(key: GroupKey, sample: int, turn: int, token: int) -> TurnRecord:
+    return TurnRecord(
+        group_key=key, sample=sample, turn=turn, token_ids=torch.tensor([token], dtype=torch.int32),
+        logprobs=torch.tensor([-0.5]), policy_version=0, finish_reason="stop", obs_ids=torch.tensor([9], dtype=torch.int32),
+        reward=float("nan"), tool_errors=0,
+    )  # fmt: skip
+
+
+async def test_an_episodes_turns_are_kept_until_its_group_is_decided(transport: Transport, tmp_path: Path) -> None:
+    """Turn records survive a buffer restart (they are in the ledger), a re-sent one
+    replaces the first, a bad sample index is refused naming it, and the group's decision
+    drops them (its episodes are in its payload); a rewind drops every one."""
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        plan = await client.request(PlanRequest(shard=0, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)
+        key, other = plan.keys[0], plan.keys[1]
+        for sample, turn, token in ((1, 0, 5), (0, 0, 3), (0, 1, 4), (0, 1, 7), (0, 0, 3)):
+            await client.request(turn_record(key, sample, turn, token), Ack)
+        await client.request(turn_record(other, 0, 0, 8), Ack)
+        with pytest.raises(RemoteError, match=r"sample 2, turn 0: a group has samples 0..1"):
+            await client.request(turn_record(key, 2, 0, 1), Ack)
+    async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
+        records = (await client.request(TurnsRequest(group_key=key), TurnRecords)).records
+        assert [(r.sample, r.turn, r.token_ids.tolist()) for r in records] == [(0, 0, [3]), (0, 1, [7]), (1, 0, [5])]
+        await client.request(make_group(key, 0), Ack)
+        assert (await client.request(TurnsRequest(group_key=key), TurnRecords)).records == []
+        assert len((await client.request(TurnsRequest(group_key=other), TurnRecords)).records) == 1
+        await client.request(Query(what="rewind"), Ack)
+        assert (await client.request(TurnsRequest(group_key=other), TurnRecords)).records == []

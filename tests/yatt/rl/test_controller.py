@@ -20,6 +20,7 @@ from protocols.messages import MicroBatch, MicroBatchRequest, ScoredGroup
 from workers.engines.base import PromptRequest, Sample
 from workers.generator import Generator
 from workers.reward.worker import Reward
+from yatt.errors import ActorFailed
 from yatt.rl.agents.envs import env_factory
 from yatt.rl.agents.episodes import EpisodeRunner
 from yatt.rl.agents.render import Renderer
@@ -93,12 +94,16 @@ def calculator_script(text: str, seed: int | None) -> str:
 
 
 async def run_group(
-    transport: Transport, tmp_path: Path, model_dir: Path, env: EnvConfig, script: Any, *, group_size: int = 2
+    transport: Transport, tmp_path: Path, model_dir: Path, env: EnvConfig, script: Any, *, group_size: int = 2,
+    first: Any = None,
 ) -> tuple[ScoredGroup, MicroBatch, Any, ScriptedEngine]:
     """One group through the controller: the buffer's accepted group and the micro-batch it
-    serves rank 0 of a 1-rank trainer."""
+    serves rank 0 of a 1-rank trainer. ``first``: the script of a first controller, which
+    dies when it raises (its requests fail every try); a second one then follows ``script``
+    (the engine's calls are those of the second)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = ScriptedEngine(tokenizer, script)
+    engine = ScriptedEngine(tokenizer, first or script)
     prompts = [Prompt(index=i, prompt_ids=tokenizer.encode(f"<|user|>What is 3 * 7? ({i})\n<|assistant|>"),
                       text=f"What is 3 * 7? ({i})", metadata={"answer": "21"}) for i in range(4)]  # fmt: skip
     buffer_config = BufferConfig(groups_per_step=1, group_size=group_size, filter="none", pad_token_id=0)
@@ -122,12 +127,19 @@ async def run_group(
                 env, Renderer(tokenizer, protocol="raw"), decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
                 eos_ids={tokenizer.eos_token_id}, max_new_tokens=32, context=512,
             )  # fmt: skip
-            controller = Controller(
-                ControllerConfig(num_controllers=1, plan_wait_s=0.2), buffer_config_algorithm(), shard=0,
-                group_size=group_size, prompts=prompts, directory=directory, seed=0, episodes=(runner, env_factory(env)),
-            )  # fmt: skip
+            def controller() -> Controller:
+                return Controller(
+                    ControllerConfig(num_controllers=1, plan_wait_s=0.2, max_attempts=2), buffer_config_algorithm(),
+                    shard=0, group_size=group_size, prompts=prompts, directory=directory, seed=0,
+                    episodes=(runner, env_factory(env)),
+                )  # fmt: skip
+
+            if first is not None:
+                with pytest.raises(ActorFailed):
+                    await asyncio.wait_for(controller().run(asyncio.Event()), 60)
+                engine.script, engine.calls = script, []
             stop = asyncio.Event()
-            running = asyncio.create_task(controller.run(stop))
+            running = asyncio.create_task(controller().run(stop))
             try:
                 async with Client(transport, buffer.endpoint) as client:
                     mb = await client.request(MicroBatchRequest(step=0, rank=0, world_size=1, index=0), MicroBatch, timeout=60)
@@ -198,3 +210,42 @@ async def test_a_broken_call_is_an_observation_and_the_episode_goes_on(
     text = tokenizer.decode(group.completion_ids[0].tolist())
     assert "could not parse the tool call" in text and "<result>21</result>" in text
     assert group.rewards.tolist() == [0.0, 0.0]
+
+
+def guesses(text: str, seed: int | None) -> str:
+    """Guess 100, 101, ... one a turn (the feedback so far counts the turns): always too
+    high, so every episode runs to its last turn."""
+    return str(100 + text.count("Higher.") + text.count("Lower."))
+
+
+class Crash(RuntimeError):
+    pass
+
+
+async def test_a_controller_that_dies_mid_episode_resumes_each_episode_after_its_recorded_turns(
+    transport: Transport, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The first controller dies when its episodes reach their third turn (the engine fails
+    every try of it): turns 1 and 2 of each episode are in the ledger. A second controller
+    resumes every episode after them: it never asks for those turns again, and the group it
+    delivers is the one an undisturbed run delivers."""
+    env = EnvConfig(class_="yatt.rl.agents.games:GuessNumber", kwargs={"high": 8}, max_turns=4)
+
+    def dies_at_turn_3(text: str, seed: int | None) -> str:
+        if text.count("Higher.") + text.count("Lower.") >= 2:
+            raise Crash("the generator died")
+        return guesses(text, seed)
+
+    reference, _, tokenizer, _ = await run_group(transport, tmp_path / "reference", tiny_model_dir, env, guesses, group_size=4)
+    assert all((info.turns, info.ended) == (4, "max_turns") for info in reference.episodes)
+    group, _, _, engine = await run_group(
+        transport, tmp_path / "killed", tiny_model_dir, env, guesses, group_size=4, first=dies_at_turn_3
+    )
+    assert [ids.tolist() for ids in group.completion_ids] == [ids.tolist() for ids in reference.completion_ids]
+    assert [m.tolist() for m in group.completion_masks] == [m.tolist() for m in reference.completion_masks]
+    assert group.rewards.tolist() == reference.rewards.tolist()
+    # The second controller generated only turns 3 and 4: every prompt it sent had 2 observations or more.
+    seen = [tokenizer.decode(r.prompt_ids) for batch in engine.calls for r in batch]
+    assert seen and all(t.count("Higher.") + t.count("Lower.") >= 2 for t in seen), seen
+    # Turns 1 and 2 kept the version that sampled them before the death.
+    assert all(v.tolist()[0] == 0 for v in group.token_versions)

@@ -7,6 +7,13 @@
         renderer.observation(obs)         -> obs ids (cut to max_obs)      |
     -----------------------------------------------------------------------+
 
+Every finished turn can be recorded (``record``: the controller puts it in the buffer's
+ledger before the episode goes on); an episode given its recorded turns (``recorded``)
+replays them without generating (the environment reset with the same seed and stepped with
+the recorded actions, to rebuild its state) and generates only from the turn after them.
+An environment that does not answer the replay as recorded (not deterministic in its seed
+and actions) raises ``Diverged``: the caller runs the episode again from its start.
+
 Token in, token out: the policy's ids are appended as sampled, never decoded and encoded
 again; only observations are rendered. A row's mask is 1 on the policy's tokens (they carry
 the rollout log-prob and the version that sampled them) and 0 on observations (log-prob 0,
@@ -19,6 +26,7 @@ deadlines and re-issues cover it); an environment that raises ends its episode a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +40,30 @@ from yatt.rl.config import EnvConfig
 
 Generate = Callable[[list[int], int], Awaitable[Completion]]
 """(the episode's ids so far, the turn's token budget) -> the policy's next turn."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    """One finished turn: what is recorded of it, and what a replay takes back."""
+
+    index: int  # 0-based
+    token_ids: list[int]  # the policy's turn as sampled
+    logprobs: list[float]
+    version: int  # the policy version that sampled it
+    finish_reason: str
+    obs_ids: list[int]  # the observation appended after it (empty: the episode ended)
+    reward: float | None  # the environment's
+    tool_errors: int
+    ended: str = ""  # how the episode ended at it; "": it goes on
+    detail: str = ""
+
+
+Record = Callable[[Turn], Awaitable[None]]
+
+
+class Diverged(Exception):
+    """A replayed turn's observation is not the recorded one: the environment is not
+    deterministic in its seed and actions. Its episode must run again from the start."""
 
 
 @dataclass
@@ -85,47 +117,67 @@ class EpisodeRunner:
         tools = info.get("tools") if isinstance(info, dict) else None
         return self.renderer.prompt(messages, tools=tools)
 
-    async def run(self, env: Any, prompt_ids: list[int], generate: Generate) -> Trajectory:
-        """The episode from its prompt (``start``) to its end."""
-        out, rewards, errors = Trajectory(), [], 0
-        ended, detail, turns = "max_turns", "", 0
-        env_time = 0.0
-        while turns < self.config.max_turns:
+    async def run(
+        self, env: Any, prompt_ids: list[int], generate: Generate, *, recorded: list[Turn] | None = None,
+        record: Record | None = None,
+    ) -> Trajectory:  # fmt: skip
+        """The episode from its prompt (``start``) to its end: ``recorded`` turns replayed,
+        each new one passed to ``record`` once finished, before the next is generated."""
+        out, rewards, errors, env_time = Trajectory(), [], 0, 0.0
+        replay = list(recorded or [])
+        ended = ""
+        while not ended:
+            index = out.info.turns
+            if index == self.config.max_turns:
+                ended = "max_turns"
+                break
             room = self.budget - len(prompt_ids) - len(out.ids)
             if room <= 0:
                 ended = "budget"
                 break
-            turn = await generate(prompt_ids + out.ids, min(self.max_new_tokens, room))
-            ids = turn.token_ids.tolist()
-            out.add(ids, logprobs=turn.logprobs.tolist(), version=turn.policy_version_min)
-            out.finish_reason, turns = turn.finish_reason, turns + 1
+            if index < len(replay):
+                turn = replay[index]
+                ids, logprobs, version, finish = turn.token_ids, turn.logprobs, turn.version, turn.finish_reason
+            else:
+                sampled = await generate(prompt_ids + out.ids, min(self.max_new_tokens, room))
+                ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
+                version, finish = sampled.policy_version_min, sampled.finish_reason
+            out.add(ids, logprobs=logprobs, version=version)
+            out.finish_reason = finish
+            out.info = dataclasses.replace(out.info, turns=index + 1)
             began = time.monotonic()
+            reward, obs_ids, detail, turn_errors = None, [], "", 0
             try:
-                step = await asyncio.wait_for(
+                obs, reward, terminated, truncated, info = await asyncio.wait_for(
                     call(env.step, self.decode(ids)), timeout=max(self.config.episode_timeout_s - env_time, 1e-3)
                 )
             except TimeoutError:
                 ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
-                break
             except Exception as e:  # a user's environment may raise anything: the episode ends, the run goes on
                 ended, detail = "env_error", f"{type(env).__name__}.step raised {type(e).__name__}: {e}"
-                break
+            else:
+                turn_errors = int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0
+                if terminated or truncated:
+                    ended = "done" if terminated else "truncated"
+                elif index + 1 < self.config.max_turns:  # (no observation after the last turn: nothing reads it)
+                    obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
+                    if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
+                        ended, obs_ids = "budget", []
             finally:
                 env_time += time.monotonic() - began
-            obs, reward, terminated, truncated, info = step
             rewards.append(float("nan") if reward is None else float(reward))
-            errors += int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0
-            if terminated or truncated:
-                ended = "done" if terminated else "truncated"
-                break
-            if turns == self.config.max_turns:
-                break  # (no observation after the last turn: nothing would read it)
-            obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
-            if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
-                ended = "budget"
-                break
+            errors += turn_errors
+            done = Turn(
+                index=index, token_ids=ids, logprobs=logprobs, version=version, finish_reason=finish, obs_ids=obs_ids,
+                reward=reward, tool_errors=turn_errors, ended=ended, detail=detail,
+            )  # fmt: skip
+            if index < len(replay):
+                _check_replay(replay[index], done)
+            elif record is not None:
+                await record(done)
             out.add(obs_ids)
-        out.info = EpisodeInfo(ended=ended, turns=turns, turn_rewards=rewards, tool_errors=errors, detail=detail)
+            out.info = EpisodeInfo(ended=ended or "max_turns", turns=index + 1, turn_rewards=rewards, tool_errors=errors, detail=detail)
+        out.info = dataclasses.replace(out.info, ended=ended)
         return out
 
     def _render(self, obs: Observation, *, ended_with_eos: bool) -> list[int]:
@@ -136,3 +188,16 @@ class EpisodeRunner:
         if len(ids) <= limit:
             return ids
         return ids[:limit] if self.config.obs_truncate == "end" else ids[-limit:]
+
+
+def _check_replay(recorded: Turn, replayed: Turn) -> None:
+    """A replayed turn must end as recorded: the same observation, reward and ending."""
+    outcome = ("obs_ids", "ended", "tool_errors", "reward")
+    rewards = (recorded.reward, replayed.reward)
+    if any(getattr(recorded, name) != getattr(replayed, name) for name in outcome):
+        raise Diverged(
+            f"turn {recorded.index} replayed to another outcome than recorded (observation of {len(replayed.obs_ids)} "
+            f"tokens vs {len(recorded.obs_ids)}, ended {replayed.ended!r} vs {recorded.ended!r}, reward {rewards[1]} vs "
+            f"{rewards[0]}): the environment is not deterministic in its reset seed and actions"
+        )
+

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "stages": "benchmarks.stages",
     "staleness": "benchmarks.staleness",
     "transport": "benchmarks.transport",
+    "agents": "benchmarks.agents",
 }
 
 

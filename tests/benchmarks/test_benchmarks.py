@@ -160,3 +160,13 @@ def test_a_role_killed_after_the_stop_grace_is_counted_with_where_it_was(tmp_pat
     late_stops(tmp_path, result)
     assert result.figures["roles_killed_after_the_stop_grace"] == 1
     assert result.notes == [f"undisturbed.launcher.log: {line}\n" + role_log.read_text().rstrip("\n")]
+
+
+@pytest.mark.slow
+def test_agents_quick_measures_each_mode(tmp_path: Path) -> None:
+    data = run_quick("agents", tmp_path)
+    figures, ratios = data["figures"], data["ratios"]
+    for mode in ("yatt", "lockstep", "record"):
+        assert figures[f"{mode}_episodes_per_s"] > 0 and 0 < figures[f"{mode}_generator_busy_share"] <= 1
+    assert set(ratios) == {"yatt_vs_lockstep", "record_cost_share"}
+    assert all(math.isfinite(v) and v > 0 for v in ratios.values())

@@ -1,0 +1,245 @@
+"""``python -m benchmarks agents``: multi-turn episodes with environment latency, yatt's
+episode scheduling against lock-step turns, side by side, interleaved.
+
+The workload: ``episodes`` episodes of the built-in guess-the-number environment on the
+tiny model (``max_turns`` turns each: the untrained model never guesses right, so every
+episode runs them all), through a real generator actor (its batching, the transformers
+engine) over loopback. Every environment step waits a heavy-tailed latency, as a tool
+call does: lognormal around ``latency_ms``, clipped to [``min_ms``, ``max_ms``], seeded
+per episode and turn (the same draws in both modes).
+
+- ``yatt``: each episode is its own task (``yatt.rl.agents.episodes``): a turn is
+  generated as soon as its episode's previous step returned, batched with whatever other
+  turns are waiting at the generator.
+- ``lockstep``: every episode's turn k is generated in one batch once every episode still
+  running has finished turn k - 1, as TRL's GRPOTrainer tool loop does (its batch waits
+  for its slowest tool call): the same runner, its ``generate`` held at a barrier.
+- ``record``: yatt's mode with every finished turn recorded in a real buffer's ledger
+  (``TurnRecord``: one fsync'd commit, shared by the records that arrive together) before
+  its episode goes on: what exactly-once mid-episode costs a turn.
+
+Figures: episodes/s of each mode (median of ``repeats``, interleaved), the generator's busy
+share (engine time / wall), the turn time, and the time a turn record adds. Ratios:
+``yatt_vs_lockstep`` (samples/s), ``record_cost_share`` (the record's added time per turn
+over the turn's time). TRL's own GRPOTrainer is not run: its tool loop parses calls with the
+chat template's tool-call format, which neither model here has (the tiny template, and
+SmolLM2-135M-Instruct's, have none); lock-step is how its loop schedules turns.
+
+Options (``--set``): episodes, max_turns, max_new_tokens, latency_ms, min_ms, max_ms, repeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import Result
+from protocols.messages import (
+    Ack,
+    Completion,
+    Completions,
+    GenerateRequest,
+    GroupKey,
+    SamplingParams,
+    TurnRecord,
+)
+from yatt.rl.agents.episodes import EpisodeRunner, Turn
+from yatt.rl.agents.games import GuessNumber
+from yatt.rl.config import BufferConfig, EnvConfig, GeneratorConfig
+from yatt.runtime.configtools import build
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    episodes: int = 32
+    """Episodes run at once (one batch)."""
+    max_turns: int = 4
+    """Turns per episode."""
+    max_new_tokens: int = 8
+    """A turn's tokens."""
+    latency_ms: float = 80.0
+    """Median environment latency of a step."""
+    min_ms: float = 20.0
+    """Shortest step."""
+    max_ms: float = 500.0
+    """Longest step (the tail is clipped here)."""
+    repeats: int = 3
+    """Runs of each mode, interleaved."""
+
+
+QUICK = {"episodes": 8, "max_turns": 2, "max_new_tokens": 4, "latency_ms": 20.0, "min_ms": 5.0, "max_ms": 60.0, "repeats": 1}
+
+
+class SlowGuess(GuessNumber):
+    """Guess the number, each step waiting a drawn latency (a tool call's)."""
+
+    def __init__(self, high: int, latency: list[float]) -> None:
+        super().__init__(high)
+        self.latency = latency
+        self.turn = 0
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:  # type: ignore[override]
+        await asyncio.sleep(self.latency[self.turn])
+        self.turn += 1
+        return super().step(action)
+
+
+def latencies(opts: Options, episode: int) -> list[float]:
+    """The step latencies of one episode, in seconds (the same in every mode)."""
+    rng = random.Random(episode)
+    sigma = 1.0  # heavy tail: the 95th percentile ~5x the median
+    return [min(max(math.exp(rng.gauss(math.log(opts.latency_ms), sigma)), opts.min_ms), opts.max_ms) / 1000 for _ in range(opts.max_turns)]
+
+
+class LockStep:
+    """Holds each turn's generation until every episode still running asks for that turn."""
+
+    def __init__(self, episodes: int) -> None:
+        self.running = episodes
+        self.waiting = 0
+        self.turn = asyncio.Condition()
+        self.round = 0
+
+    async def wait(self) -> None:
+        async with self.turn:
+            self.waiting += 1
+            mine = self.round
+            if self.waiting >= self.running:
+                self.round, self.waiting = self.round + 1, 0
+                self.turn.notify_all()
+            else:
+                await self.turn.wait_for(lambda: self.round != mine)
+
+    async def leave(self) -> None:
+        async with self.turn:
+            self.running -= 1
+            if self.running and self.waiting >= self.running:
+                self.round, self.waiting = self.round + 1, 0
+                self.turn.notify_all()
+
+
+async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator: Any, buffer: Any, transport: Any) -> dict[str, float]:
+    """Run the episodes once in ``mode``; its wall time, engine time, turns and record time."""
+    from yatt.runtime.actor import Client
+
+    barrier = LockStep(opts.episodes) if mode == "lockstep" else None
+    record_s: list[float] = []
+    engine_before = generator.generate_s
+    async with Client(transport, generator.endpoint) as gen, Client(transport, buffer.endpoint) as buf:
+
+        async def episode(i: int) -> int:
+            env = SlowGuess(8, latencies(opts, i))
+            key = GroupKey(epoch=0, shard=0, prompt_index=i)
+            prompt = await runner.start(env, seed=i, row={}, prompt_ids=[])
+            turns = 0
+
+            async def generate(ids: list[int], budget: int) -> Completion:
+                nonlocal turns
+                if barrier is not None:
+                    await barrier.wait()
+                sampling = SamplingParams(temperature=1.0, max_new_tokens=budget, seed=1000 * i + turns)
+                turns += 1
+                request = GenerateRequest(group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling)
+                return (await gen.request(request, Completions)).completions[0]
+
+            async def record(turn: Turn) -> None:
+                began = time.perf_counter()
+                await buf.request(turn_record(key, turn), Ack)
+                record_s.append(time.perf_counter() - began)
+
+            try:
+                out = await runner.run(env, prompt, generate, record=record if mode == "record" else None)
+            finally:
+                if barrier is not None:
+                    await barrier.leave()
+            return out.info.turns
+
+        began = time.perf_counter()
+        turns = await asyncio.gather(*(episode(i) for i in range(opts.episodes)))
+        wall = time.perf_counter() - began
+    return {
+        "wall_s": wall, "engine_s": generator.generate_s - engine_before, "turns": float(sum(turns)),
+        "record_s": sum(record_s), "records": float(len(record_s)),
+    }  # fmt: skip
+
+
+def turn_record(key: GroupKey, turn: Turn) -> TurnRecord:
+    return TurnRecord(
+        group_key=key, sample=0, turn=turn.index, token_ids=torch.tensor(turn.token_ids, dtype=torch.int32),
+        logprobs=torch.tensor(turn.logprobs), policy_version=turn.version, finish_reason=turn.finish_reason,
+        obs_ids=torch.tensor(turn.obs_ids, dtype=torch.int32), reward=float("nan") if turn.reward is None else turn.reward,
+        tool_errors=turn.tool_errors, ended=turn.ended,
+    )  # fmt: skip
+
+
+async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, list[dict[str, float]]]:
+    from transformers import AutoTokenizer
+
+    from workers.engines import make_engine
+    from workers.generator import Generator
+    from yatt.rl.agents.render import Renderer
+    from yatt.rl.buffer import Buffer
+    from yatt.runtime.transport import Transport, TransportConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    env = EnvConfig(class_="yatt.rl.agents.games:GuessNumber", max_turns=opts.max_turns)
+    runner = EpisodeRunner(
+        env, Renderer(tokenizer), decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+        eos_ids={tokenizer.eos_token_id}, max_new_tokens=opts.max_new_tokens, context=512,
+    )  # fmt: skip
+    engine = await asyncio.to_thread(make_engine, str(model_dir), GeneratorConfig())
+    runs: dict[str, list[dict[str, float]]] = {"yatt": [], "lockstep": [], "record": []}
+    buffer_config = BufferConfig(groups_per_step=1, group_size=1, filter="none")
+    async with (
+        Transport(TransportConfig(hwm=0)) as transport,
+        Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=GeneratorConfig()) as generator,
+        Buffer(transport, endpoint="tcp://127.0.0.1:*", config=buffer_config, num_prompts=opts.episodes, num_shards=1,
+               world_size=1, seed=0, ledger_path=scratch / "ledger.db") as buffer,
+    ):  # fmt: skip
+        await one_mode("yatt", opts, runner=runner, generator=generator, buffer=buffer, transport=transport)  # warm-up
+        for _ in range(opts.repeats):
+            for mode in runs:  # interleaved: a drift of the machine hits every mode alike
+                runs[mode].append(await one_mode(mode, opts, runner=runner, generator=generator, buffer=buffer, transport=transport))
+    return runs
+
+
+def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
+    opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
+    torch.set_num_threads(1)
+    from workers.models import build_tiny_model
+
+    result = Result()
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        runs = asyncio.run(measure(opts, build_tiny_model(scratch / "tiny", seed=0), scratch))
+    for mode, rows in runs.items():
+        result.figures[f"{mode}_episodes_per_s"] = statistics.median(opts.episodes / r["wall_s"] for r in rows)
+        result.figures[f"{mode}_generator_busy_share"] = statistics.median(r["engine_s"] / r["wall_s"] for r in rows)
+        result.figures[f"{mode}_turn_s"] = statistics.median(r["wall_s"] * opts.episodes / r["turns"] for r in rows)
+    records = runs["record"]
+    per_record = statistics.median(r["record_s"] / max(r["records"], 1) for r in records)
+    result.figures["record_s_per_turn"] = per_record
+    added = statistics.median((r["wall_s"] - y["wall_s"]) / r["turns"] * opts.episodes for r, y in zip(records, runs["yatt"], strict=True))
+    result.figures["record_added_s_per_turn"] = added
+    result.ratios["yatt_vs_lockstep"] = result.figures["yatt_episodes_per_s"] / result.figures["lockstep_episodes_per_s"]
+    result.ratios["record_cost_share"] = max(per_record, 1e-9) / result.figures["yatt_turn_s"]
+    result.notes.append(
+        f"{opts.episodes} episodes x {opts.max_turns} turns, {opts.max_new_tokens} new tokens a turn, step latency lognormal "
+        f"median {opts.latency_ms:g} ms in [{opts.min_ms:g}, {opts.max_ms:g}] ms; {opts.repeats} interleaved repeats, medians"
+    )
+    result.notes.append(
+        "record_cost_share: one TurnRecord's round trip to the buffer (its ledger commit) over the time an episode's turn "
+        "takes (wall x episodes / turns); record_added_s_per_turn: what recording added to that turn time, measured"
+    )
+    result.notes.append("TRL's GRPOTrainer is not run: its tool loop needs a chat template with a tool-call format, which no model here has")
+    return result

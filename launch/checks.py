@@ -166,6 +166,11 @@ def _check_env(cfg: RunConfig) -> None:
     """The environment class (made once with env.kwargs) or every tool loads; what an
     episode cannot honour is refused."""
     check_env(cfg.env)
+    if cfg.env.credit == "turn" and cfg.algorithm.advantage not in ("grpo", "dr_grpo"):
+        raise ConfigError(
+            f"env.credit = turn gives per-turn GRPO advantages, and algorithm.advantage = {cfg.algorithm.advantage} "
+            "computes its own from the episode's reward; use algorithm.advantage grpo or dr_grpo, or env.credit episode"
+        )
     if cfg.algorithm.overlong_buffer:
         raise ConfigError(
             f"algorithm.overlong_buffer = {cfg.algorithm.overlong_buffer}: the overlong penalty measures one completion "

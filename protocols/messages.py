@@ -169,6 +169,7 @@ class ScoredGroup(Message):
     completion_masks: list[Tensor] = field(default_factory=list)  # n x [L_i] bool, True on the policy's own tokens
     token_versions: list[Tensor] = field(default_factory=list)  # n x [L_i] int64, the version that sampled each token; -1 on observations
     episodes: list[EpisodeInfo] = field(default_factory=list)  # n, how each episode went
+    token_advantages: list[Tensor] = field(default_factory=list)  # n x [L_i] float32, per token (credit per turn); empty: ``advantages``
 
 
 @dataclass(frozen=True, kw_only=True)

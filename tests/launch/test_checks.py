@@ -362,6 +362,19 @@ PROBE: list[tuple[list[str], str]] = [
     (["placement.layout=diagonal"], "placement.layout"),
     (["placement.adaptive_patience=0"], "placement.adaptive_patience"),
     (["placement.cpu_slots=-1"], "placement.cpu_slots"),
+    (["env.class=no_such_module:Env"], "env.class"),
+    (["env.class=yatt.rl.agents.tools:calculator"], "env.class"),
+    (["env.class=yatt.rl.agents.games:GuessNumber", "env.kwargs={high: 1}"], "env.class"),
+    (["env.class=yatt.rl.agents.games:GuessNumber", "env.kwargs={size: 3}"], "env.kwargs"),
+    (["env.tools=[yatt.rl.agents.tools:nope]"], "env.tools"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.class=yatt.rl.agents.games:GuessNumber"], "env.tools"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.max_turns=0"], "env.max_turns"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.protocol=xml"], "env.protocol"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.max_total_tokens=100000"], "env.max_total_tokens"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.tool_timeout_s=0"], "env.tool_timeout_s"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.gamma=0"], "env.gamma"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.credit=turn", "algorithm.advantage=rloo"], "env.credit"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "algorithm.overlong_buffer=4"], "algorithm.overlong_buffer"),
 ]
 """Wrong values of documented keys, each with the dotted field its refusal must name (issue
 33's "every wrong value of a documented key is refused before start")."""

@@ -700,6 +700,12 @@ class EnvConfig:
     episode ends as 'timeout' and is trained on as far as it got."""
     reward_weight: float = 1.0
     """Weight of the environment's rewards (summed over turns) added to the scorer mix."""
+    credit: Literal["episode", "turn"] = "episode"
+    """episode: the episode's reward, its GRPO advantage on every policy token; turn: each
+    turn's discounted return from its step rewards (the scorer mix counts at the last turn)
+    minus the group's mean episode return (yatt.rl.rl_math.turn_advantages)."""
+    gamma: float = 1.0
+    """Discount per turn of ``credit: turn``."""
 
     def __post_init__(self) -> None:
         require(not self.tools or not self.class_, "tools", "and env.class are both set: a user environment calls its own tools; set one")
@@ -709,6 +715,7 @@ class EnvConfig:
         require(self.tool_timeout_s > 0, "tool_timeout_s", f"must be > 0 seconds (got {self.tool_timeout_s})")
         require(self.episode_timeout_s > 0, "episode_timeout_s", f"must be > 0 seconds (got {self.episode_timeout_s})")
         require(all(self.stop), "stop", f"must not hold an empty string (got {self.stop})")
+        require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1] (got {self.gamma})")
 
     @property
     def enabled(self) -> bool:

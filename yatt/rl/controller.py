@@ -64,7 +64,7 @@ from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, Tran
 from yatt.rl import rl_math
 from yatt.rl.agents.envs import EnvFactory
 from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Trajectory, Turn
-from yatt.rl.config import AlgorithmConfig, ControllerConfig, EvalConfig
+from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
 from yatt.rl.evaluation import GREEDY, eval_version, is_eval
 from yatt.runtime.actor import Actor, handles
@@ -138,12 +138,14 @@ def scored_episodes(
     trajectories: list[Trajectory],
     scores: Scores,
     algorithm: AlgorithmConfig,
-    env_weight: float,
+    env: EnvConfig,
 ) -> ScoredGroup:
     """A group of episodes for the buffer: the reward is the scorer mix over each transcript
-    plus ``env_weight`` x the environment's rewards (reported as the ``env`` score), the
-    advantage per episode, spread by the buffer over the policy's tokens only."""
-    env = torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32)  # [n]
+    plus ``env.reward_weight`` x the environment's rewards (reported as the ``env`` score);
+    the advantage per episode, spread by the buffer over the policy's tokens only, or with
+    ``env.credit: turn`` per turn (``rl_math.turn_advantages``)."""
+    env_weight = env.reward_weight
+    env_rewards = torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32)  # [n]
     completions = Completions(
         group_key=key,
         completions=[
@@ -158,15 +160,36 @@ def scored_episodes(
         ],
     )
     mixed = dataclasses.replace(
-        scores, rewards=scores.rewards.to(torch.float32) + env_weight * env, components={**scores.components, "env": env}
-    )
+        scores, rewards=scores.rewards.to(torch.float32) + env_weight * env_rewards,
+        components={**scores.components, "env": env_rewards},
+    )  # fmt: skip
     group = scored_group(key, prompt, completions, mixed, algorithm, max_new_tokens=0)
+    masks = [torch.tensor(t.mask, dtype=torch.bool) for t in trajectories]
+    per_token: list[torch.Tensor] = []
+    if env.credit == "turn" and not is_eval(key):
+        turn_rewards = [
+            [env_weight * (0.0 if math.isnan(r) else r) for r in t.info.turn_rewards] for t in trajectories
+        ]  # fmt: skip
+        for rewards, final in zip(turn_rewards, scores.rewards.tolist(), strict=True):
+            rewards[-1] += final  # the scorer mix judges the whole transcript: the last turn's
+        per_turn = rl_math.turn_advantages(turn_rewards, gamma=env.gamma, std_normalize=algorithm.advantage != "dr_grpo")
+        per_token = [_spread(advantages, t) for advantages, t in zip(per_turn, trajectories, strict=True)]
+        group = dataclasses.replace(group, advantages=torch.stack([a[0] for a in per_turn]))
     return dataclasses.replace(
         group,
-        completion_masks=[torch.tensor(t.mask, dtype=torch.bool) for t in trajectories],
+        completion_masks=masks,
         token_versions=[torch.tensor(t.versions, dtype=torch.int64) for t in trajectories],
         episodes=[t.info for t in trajectories],
+        token_advantages=per_token,
     )
+
+
+def _spread(per_turn: torch.Tensor, trajectory: Trajectory) -> torch.Tensor:
+    """Turn t's advantage on turn t's tokens, 0 on the observations: [L]."""
+    out = torch.zeros(len(trajectory.ids), dtype=torch.float32)
+    for advantage, (start, end) in zip(per_turn.tolist(), trajectory.turns, strict=True):
+        out[start:end] = advantage
+    return out
 
 
 def turn_record(key: GroupKey, sample: int, turn: Turn) -> TurnRecord:
@@ -362,7 +385,7 @@ class Controller:
         transcripts = [torch.tensor(t.ids, dtype=torch.int32) for t in trajectories]
         scores = await self._score(key, prompt, ids, transcripts, [t.finish_reason for t in trajectories])
         episode_prompt = dataclasses.replace(prompt, prompt_ids=prompt_ids)
-        return scored_episodes(key, episode_prompt, trajectories, scores, self.algorithm, runner.config.reward_weight)
+        return scored_episodes(key, episode_prompt, trajectories, scores, self.algorithm, runner.config)
 
     async def _episode(
         self, key: GroupKey, sample: int, request: GenerateRequest, row: dict[str, Any], *, recorded: list[Turn],

@@ -143,6 +143,33 @@ def grpo_advantages(rewards: Tensor, *, std_normalize: bool = True, eps: float =
     return centered / (std + eps)
 
 
+def turn_advantages(
+    turn_rewards: list[list[float]], *, gamma: float = 1.0, std_normalize: bool = True, eps: float = 1e-6
+) -> list[Tensor]:
+    """Per-turn advantages of one group of episodes (``env.credit: turn``): episode i's
+    turn t gets its discounted return from that turn, G_it = sum_k>=t gamma^(k-t) r_ik,
+    minus the group's mean episode return G_i0 (over the group's std with
+    ``std_normalize``). The baseline is one number per group: it depends neither on the
+    turn nor on how many turns an episode took (a per-turn-index mean over the episodes
+    that reached turn t would: it conditions on the episode's length, which the actions
+    decide). With the reward at the last turn only and gamma 1, every turn gets the
+    episode's GRPO advantage. ``turn_rewards``: n lists, one reward per turn. Returns n
+    tensors [T_i]."""
+    returns = []
+    for rewards in turn_rewards:
+        g, out = 0.0, []
+        for r in reversed(rewards):
+            g = r + gamma * g
+            out.append(g)
+        returns.append(torch.tensor(out[::-1], dtype=torch.float32))  # [T_i]
+    first = torch.stack([g[0] if g.numel() else torch.tensor(0.0) for g in returns])  # [n]
+    baseline = first.mean()
+    if not std_normalize:
+        return [g - baseline for g in returns]
+    std = first.std() if first.numel() > 1 else torch.zeros_like(baseline)
+    return [(g - baseline) / (std + eps) for g in returns]
+
+
 def rloo_advantages(rewards: Tensor) -> Tensor:
     """RLOO advantages of one group: r_i minus the mean of the other rewards, [n] -> [n]."""
     r = _group_rewards(rewards)  # [n]

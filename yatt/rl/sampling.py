@@ -107,11 +107,13 @@ def _validate_episodes(group: ScoredGroup, where: str) -> None:
     """A multi-turn group's masks and per-token versions: one per token of each completion,
     and at least one token of the policy's own in each (else nothing of it trains)."""
     n = len(group.completion_ids)
-    for name in ("completion_masks", "token_versions", "episodes"):
+    for name in ("completion_masks", "token_versions", "episodes", "token_advantages"):
         if getattr(group, name) and len(getattr(group, name)) != n:
             raise ProtocolError(f"{where}: {name} has {len(getattr(group, name))} entries, completion_ids {n}")
-    for name in ("completion_masks", "token_versions"):
+    for name in ("completion_masks", "token_versions", "token_advantages"):
         for i, (ids, values) in enumerate(zip(group.completion_ids, getattr(group, name), strict=False)):
+            if name == "token_advantages" and not bool(torch.isfinite(values).all()):
+                raise ProtocolError(f"{where}: token_advantages[{i}] holds NaN or inf")
             if values.shape != ids.shape:
                 raise ProtocolError(
                     f"{where}: {name}[{i}] has shape {tuple(values.shape)}, completion_ids[{i}] {tuple(ids.shape)}; one per token"
@@ -806,7 +808,8 @@ class SamplingBuffer:
             own = group.completion_masks[i] if group.completion_masks else torch.ones(c, dtype=torch.bool)
             loss_mask[b, p : p + c] = own
             logprobs[b, p : p + c] = group.rollout_logprobs[i]
-            advantages[b, p : p + c] = group.advantages[i] * own
+            per_token = group.token_advantages[i] if group.token_advantages else group.advantages[i]
+            advantages[b, p : p + c] = per_token * own
             versions[b] = group.policy_versions[i]
         return MicroBatch(
             step=step,

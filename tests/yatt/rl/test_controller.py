@@ -7,6 +7,7 @@ versions across a weight update between turns, the rows built."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -249,3 +250,38 @@ async def test_a_controller_that_dies_mid_episode_resumes_each_episode_after_its
     assert seen and all(t.count("Higher.") + t.count("Lower.") >= 2 for t in seen), seen
     # Turns 1 and 2 kept the version that sampled them before the death.
     assert all(v.tolist()[0] == 0 for v in group.token_versions)
+
+
+def test_credit_per_turn_puts_each_turns_advantage_on_its_tokens() -> None:
+    """env.credit: turn: the step rewards (weighted) and the scorer mix at the last turn make
+    each turn's return; each turn's tokens carry its advantage, observations 0; the buffer's
+    row takes them as they are."""
+    from protocols.messages import GroupKey, Scores
+    from yatt.rl.agents.episodes import Trajectory
+    from yatt.rl.config import AlgorithmConfig
+    from yatt.rl.controller import scored_episodes
+    from yatt.rl.sampling import SamplingBuffer
+
+    def episode(turns: list[list[int]], rewards: list[float]) -> Trajectory:
+        t = Trajectory()
+        for i, ids in enumerate(turns):
+            t.add(ids, logprobs=[-0.1] * len(ids), version=0)
+            if i + 1 < len(turns):
+                t.add([99])  # an observation
+        t.info = dataclasses.replace(t.info, turns=len(turns), turn_rewards=rewards)
+        return t
+
+    key = GroupKey(epoch=0, shard=0, prompt_index=0)
+    prompt = Prompt(index=0, prompt_ids=[1, 2], text="p", metadata={})
+    trajectories = [episode([[5, 6], [7]], [0.5, float("nan")]), episode([[8]], [0.0])]
+    scores = Scores(group_key=key, rewards=torch.tensor([1.0, 0.0]), components={"s": torch.tensor([1.0, 0.0])}, failures=["", ""])
+    env = EnvConfig(class_="yatt.rl.agents.games:GuessNumber", credit="turn", gamma=0.5, reward_weight=2.0)
+    group = scored_episodes(key, prompt, trajectories, scores, AlgorithmConfig(advantage="dr_grpo", aggregation="seq_mean_token_sum_norm", aggregation_norm=8), env)
+    # Returns: episode 0 turn 0: 2 * 0.5 + 0.5 * (0 + 1) = 1.5, turn 1: 1; episode 1: 0; baseline 0.75.
+    assert group.token_advantages[0].tolist() == [0.75, 0.75, 0.0, 0.25]
+    assert group.token_advantages[1].tolist() == [-0.75]
+    assert group.advantages.tolist() == [0.75, -0.75]
+    assert group.rewards.tolist() == [2.0, 0.0], "the reward reported: the scorer mix + 2 x the env's"
+    buffer = SamplingBuffer(BufferConfig(groups_per_step=1, group_size=2), num_prompts=1, num_shards=1, world_size=1, seed=0, ledger=None)  # type: ignore[arg-type]
+    mb = buffer._split([group], 0, 0)[0]
+    assert mb.advantages[0, 2:6].tolist() == [0.75, 0.75, 0.0, 0.25], "row 0: episode 0 after its 2 prompt tokens"

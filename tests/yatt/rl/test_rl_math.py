@@ -524,3 +524,24 @@ def test_token_advantages_reinforce_pp_gae_and_kl_reward_to_go() -> None:
     # GAE with zero values, lam 1: the same returns as REINFORCE++
     adv, ret = rm.token_advantages("gae", field, mask, kl=kl, kl_coef=0.1, values=torch.zeros_like(field))
     close(adv, [[0.0, 1.85, 1.9, 0.0], [0.0, -1.2, 0.0, 0.0]])
+
+
+def test_turn_advantages_by_hand() -> None:
+    """G_it = sum_k>=t gamma^(k-t) r_ik, minus the group's mean G_i0 (over its std)."""
+    dr = rm.turn_advantages([[0.0, 1.0], [0.5]], gamma=0.5, std_normalize=False)
+    # G: episode 0 [0 + 0.5 * 1, 1] = [0.5, 1]; episode 1 [0.5]; baseline mean(0.5, 0.5) = 0.5
+    assert [a.tolist() for a in dr] == [[0.0, 0.5], [0.0]]
+    grpo = rm.turn_advantages([[0.0, 1.0], [0.0, 0.0, 0.0]])
+    # G: [1, 1] and [0, 0, 0]; mean 0.5, std (n - 1) sqrt(0.5) = 0.7071
+    assert torch.allclose(grpo[0], torch.tensor([0.70711, 0.70711]), atol=1e-4)
+    assert torch.allclose(grpo[1], torch.tensor([-0.70711] * 3), atol=1e-4)
+
+
+def test_turn_advantages_with_the_reward_at_the_end_are_the_episodes_grpo_advantage() -> None:
+    """Gamma 1, a reward only at an episode's last turn: every turn gets the episode's GRPO
+    advantage, however many turns each episode took (the baseline does not depend on them)."""
+    final = [1.0, 0.0, 0.5, 0.0]
+    turns = [[0.0] * k + [r] for k, r in zip((0, 3, 1, 5), final, strict=True)]
+    expected = rm.grpo_advantages(torch.tensor(final))
+    for advantages, want, rewards in zip(rm.turn_advantages(turns), expected.tolist(), turns, strict=True):
+        assert advantages.shape == (len(rewards),) and torch.allclose(advantages, torch.full_like(advantages, want), atol=1e-6)

@@ -74,11 +74,14 @@ class Trajectory:
     mask: list[bool] = field(default_factory=list)  # True on the policy's own tokens
     logprobs: list[float] = field(default_factory=list)  # rollout log-probs; 0 on observations
     versions: list[int] = field(default_factory=list)  # the version that sampled each token; -1 on observations
+    turns: list[tuple[int, int]] = field(default_factory=list)  # each turn's [start, end) in ``ids``
     finish_reason: str = "stop"  # the last turn's: "stop" or "length"
     info: EpisodeInfo = field(default_factory=lambda: EpisodeInfo(ended="done", turns=0, turn_rewards=[], tool_errors=0))
 
     def add(self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1) -> None:
         own = logprobs is not None
+        if own:
+            self.turns.append((len(self.ids), len(self.ids) + len(ids)))
         self.ids += ids
         self.mask += [own] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)

@@ -109,7 +109,8 @@ class RunLog:
 
             fields = [c for c in rows[0] if c != "scores"]
             columns: list[str | int] = [*fields, *(f"score/{n}" for n in rows[0]["scores"])]
-            data = [[r[c] for c in fields] + list(r["scores"].values()) for r in rows]
+            # (an episode's turns as JSON text: a table cell holds one value)
+            data = [[json.dumps(r[c]) if isinstance(r[c], list) else r[c] for c in fields] + list(r["scores"].values()) for r in rows]
             self._wandb_run().log({name: wandb.Table(columns=columns, data=data)}, step=step)
         return rows
 
@@ -178,8 +179,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["| prompt | completion | reward | scores | advantage | length | finish | failure |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         scores = ", ".join(f"{k}={v:.3g}" for k, v in r["scores"].items())
+        completion = r["completion"]
+        if "turns" in r:  # an episode: each turn's action, observation and reward, and how it ended
+            completion = "\n".join(
+                f"[turn {i + 1}] {t['action']} -> {t['observation'].strip()} (reward {t.get('reward')})"
+                for i, t in enumerate(r["turns"])
+            ) + f"\n[ended: {r['ended']}{': ' + r['ended_detail'] if r['ended_detail'] else ''}]"
         lines.append(
-            f"| {cell(r['prompt'])} | {cell(r['completion'])} | {r['reward']:.3g} | {cell(scores)} | "
+            f"| {cell(r['prompt'])} | {cell(completion)} | {r['reward']:.3g} | {cell(scores)} | "
             f"{r['advantage']:.3g} | {r['length']} | {r['finish_reason']} | {cell(r['failure'])} |"
         )
     return "\n".join(lines)

@@ -68,3 +68,39 @@ def test_metrics_and_rollouts_reach_every_sink(tiny_model_dir: Path, tmp_path: P
     assert logged["columns"][-1] == "score/digits" and logged["data"][1][logged["columns"].index("completion")] == "7 | x\ny"
     history = next(run.glob("run-*.wandb")).read_bytes()  # wandb's record log: the scalars are in it
     assert b"reward/mean" in history and b"response_length/mean" in history
+
+
+def test_an_episodes_turns_are_in_the_rollouts_and_the_text_tab(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A multi-turn group: each row shows every turn (action, observation, reward) and how
+    the episode ended, in rollouts.jsonl and in TensorBoard's text tab."""
+    import dataclasses
+
+    from protocols.messages import EpisodeInfo
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = group(tiny_model_dir)
+    parts = [tok.encode(t, add_special_tokens=False) for t in ("3", "\n<|user|>Higher.\n<|assistant|>", "5")]
+    ids = torch.tensor([t for p in parts for t in p], dtype=torch.int32)
+    mask = torch.tensor([True] * len(parts[0]) + [False] * len(parts[1]) + [True] * len(parts[2]))
+    episode = dataclasses.replace(
+        base, completion_ids=[ids, ids], rollout_logprobs=[torch.zeros(len(ids))] * 2, completion_masks=[mask, mask],
+        token_versions=[torch.zeros(len(ids), dtype=torch.int64)] * 2,
+        episodes=[EpisodeInfo(ended="done", turns=2, turn_rewards=[0.0, 1.0], tool_errors=0)] * 2,
+    )  # fmt: skip
+    log = RunLog(tmp_path, str(tiny_model_dir), report_to=["tensorboard"])
+    try:
+        rows = log.rollouts(0, [episode])
+    finally:
+        log.close()
+    assert rows[0]["turns"] == [
+        {"action": "3", "observation": "\n<|user|>Higher.\n<|assistant|>", "reward": 0.0},
+        {"action": "5", "observation": "", "reward": 1.0},
+    ]
+    assert rows[0]["ended"] == "done" and rows[0]["tool_errors"] == 0
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    [text] = events.Tensors("rollouts/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert "[turn 1] 3 -> " in table and "Higher." in table and "[turn 2] 5 -> " in table, table
+    assert "[ended: done]" in table
+

@@ -401,7 +401,7 @@ class Controller:
             prompt = self.eval_prompts[key.prompt_index] if is_eval(key) else self.prompts[key.prompt_index]
             prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=prompt.prompt_ids)
 
-            turns = len(recorded)
+            turns, affinity = len(recorded), list[str]()
 
             async def generate(ids: list[int], budget: int) -> Completion:
                 nonlocal turns
@@ -414,7 +414,7 @@ class Controller:
                     group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
                     min_policy_version=request.min_policy_version,
                 )  # fmt: skip
-                return (await self._call("generator", turn, Completions)).completions[0]
+                return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
 
             trajectory = await runner.run(
                 env, prompt_ids, generate, recorded=recorded, record=lambda turn: record(sample, turn)
@@ -425,16 +425,23 @@ class Controller:
             if callable(close):
                 close()
 
-    async def _call(self, role: str, msg: Message, expect: type[R], *, timeout: float | None = None) -> R:
+    async def _call(
+        self, role: str, msg: Message, expect: type[R], *, timeout: float | None = None, affinity: list[str] | None = None
+    ) -> R:
         """Send ``msg`` to the least-busy live member of ``role``; re-issue it elsewhere when
-        that member is lost or silent. Every message here is idempotent by group key."""
+        that member is lost or silent. Every message here is idempotent by group key.
+        ``affinity``: [endpoint] of the member to prefer (an episode's previous turn's),
+        updated to the one that answered."""
         deadline = timeout or self.config.request_timeout_s
         last: Exception | None = None
         for _ in range(self.config.max_attempts):
             try:
                 await self.directory.wait_for_live(role, timeout=self.config.request_timeout_s)
-                client = self.directory.pick(role)
-                return await client.request(msg, expect, timeout=deadline)
+                client = self.directory.pick(role, prefer=affinity[0] if affinity else None)
+                reply = await client.request(msg, expect, timeout=deadline)
+                if affinity is not None:
+                    affinity[:] = [client.endpoint]
+                return reply
             except (PeerLost, RequestTimeout, TransportError) as e:
                 last = e
                 self.reissued += 1

@@ -41,6 +41,12 @@ ENDPOINT = re.compile(r"tcp://[^\s:/]+:\d{1,5}|tcp://\[[0-9a-fA-F:]+\]:\d{1,5}|i
 """What a member's endpoint may be (anything else is refused at Register: no socket reaches it)."""
 
 
+
+AFFINITY_SLACK = 4
+"""Requests in flight a preferred member may have beyond the least busy one and still be
+picked (``Directory.pick(prefer=)``): enough to keep an episode's turns on one engine
+under an even load, not so many that one engine queues while another idles."""
+
 class Registry(Actor):
     """The membership of a run: answers Register, Deregister and Query; publishes Membership."""
 
@@ -338,8 +344,11 @@ class Directory:
                 f"{actor_id!r} is not in the directory (members: {sorted(self._clients)})"
             ) from None
 
-    def pick(self, role: str) -> Client:
-        """The live member of ``role`` with the fewest requests in flight (ties rotate).
+    def pick(self, role: str, *, prefer: str | None = None) -> Client:
+        """The live member of ``role`` with the fewest requests in flight (ties rotate); the
+        member at endpoint ``prefer`` instead while it is live and has at most
+        ``AFFINITY_SLACK`` more requests in flight (an episode's next turn goes where its
+        previous turns are cached).
 
         Raises ``TransportError`` if there is none; ``wait_until`` waits for one.
         """
@@ -352,7 +361,11 @@ class Directory:
         self._turn += 1
         start = self._turn % len(live)
         rotated = live[start:] + live[:start]
-        return min(rotated, key=lambda c: c.in_flight)
+        best = min(rotated, key=lambda c: c.in_flight)
+        preferred = next((c for c in live if c.endpoint == prefer), None)
+        if preferred is not None and preferred.in_flight <= best.in_flight + AFFINITY_SLACK:
+            return preferred
+        return best
 
     async def wait_until(self, predicate: Callable[[Directory], bool], timeout: float) -> None:
         """Wait until ``predicate(self)`` holds, e.g. ``lambda d: len(d.members("generator")) >= 2``."""

@@ -307,3 +307,28 @@ async def test_restarted_registry_is_repopulated(fast_transport: Transport, unti
                 )
             finally:
                 await second.close()
+
+
+async def test_a_preferred_member_is_picked_until_it_is_much_busier_than_the_least_busy(
+    fast_transport: Transport, registry: Registry, until: Until
+) -> None:
+    """An episode's next turn goes to the generator that served its previous one (its cache)
+    while that one is not more than AFFINITY_SLACK requests busier than the least busy."""
+    from yatt.runtime.registry import AFFINITY_SLACK
+
+    a, b = Member(fast_transport, "gen-a"), Member(fast_transport, "gen-b")
+    async with a, b, Directory(fast_transport, registry.endpoint) as directory:
+        async with Registration(fast_transport, registry.endpoint, a.info()), Registration(fast_transport, registry.endpoint, b.info()):
+            await directory.wait_until(lambda d: len(d.members()) == 2, timeout=10)
+            picks = {directory.pick("generator", prefer=b.endpoint).endpoint for _ in range(6)}
+            assert picks == {b.endpoint}, "idle: always the preferred one"
+            assert {directory.pick("generator").endpoint for _ in range(6)} == {a.endpoint, b.endpoint}, "no preference: rotate"
+            calls = [
+                asyncio.ensure_future(directory.client("gen-b").request(Query(what="block"), timeout=60))
+                for _ in range(AFFINITY_SLACK + 1)
+            ]
+            await until(lambda: b.blocked == AFFINITY_SLACK + 1, what="requests in flight")
+            assert directory.pick("generator", prefer=b.endpoint).endpoint == a.endpoint, "too busy: the least busy one"
+            b.gate.set()
+            await asyncio.gather(*calls)
+            assert directory.pick("generator", prefer=b.endpoint).endpoint == b.endpoint

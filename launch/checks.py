@@ -182,6 +182,12 @@ def _check_env(cfg: RunConfig) -> None:
 # ------------------------------------------------------------------ against the model, data, plan
 
 
+def episode_context(cfg: RunConfig, positions: int | None) -> int:
+    """The positions an episode may fill: the model's, and the vLLM engine's own limit."""
+    limits = [p for p in (positions, cfg.generator.vllm_max_model_len if cfg.generator.backend == "vllm" else None) if p]
+    return min(limits, default=1 << 30)
+
+
 def _check_episodes(cfg: RunConfig, model: dict[str, Any], model_path: Path) -> None:
     """The episodes' context budget within the model's positions, and the renderer's
     self-check against the model's chat template (a template that rewrites history)."""
@@ -190,10 +196,12 @@ def _check_episodes(cfg: RunConfig, model: dict[str, Any], model_path: Path) -> 
     from yatt.rl.agents.render import Renderer, self_check
 
     positions = model.get("max_position_embeddings")
-    if isinstance(positions, int) and cfg.env.max_total_tokens > positions:
+    context = episode_context(cfg, positions if isinstance(positions, int) else None)
+    if cfg.env.max_total_tokens > context:
+        source = "generator.vllm_max_model_len" if context != positions else f"max_position_embeddings in {model_path}/config.json"
         raise ConfigError(
-            f"env.max_total_tokens = {cfg.env.max_total_tokens} is more than the model's positions ({positions}, "
-            f"max_position_embeddings in {model_path}/config.json); lower it to {positions} or less (0: the model's)"
+            f"env.max_total_tokens = {cfg.env.max_total_tokens} is more than the positions the generator serves ({context}, "
+            f"{source}); lower it to {context} or less (0: all of them)"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     self_check(Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path)))

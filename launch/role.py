@@ -175,6 +175,7 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, Env
     template) and its environment factory, for ``env``."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from launch.checks import episode_context
     from yatt.rl.agents.envs import env_factory
     from yatt.rl.agents.episodes import EpisodeRunner
     from yatt.rl.agents.render import Renderer, self_check
@@ -182,10 +183,12 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, Env
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     renderer = Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path))
     self_check(renderer)
-    context = int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 0) or 1 << 30)
+    model = AutoConfig.from_pretrained(model_path)
+    context = episode_context(cfg, getattr(model, "max_position_embeddings", None))
+    eos = model.eos_token_id if isinstance(model.eos_token_id, list) else [model.eos_token_id]
     runner = EpisodeRunner(
         cfg.env, renderer, decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-        eos_ids={int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set(),
+        eos_ids={int(i) for i in [*eos, tokenizer.eos_token_id] if i is not None},
         max_new_tokens=cfg.controller.max_new_tokens, context=context,
     )  # fmt: skip
     return runner, env_factory(cfg.env)

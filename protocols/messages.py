@@ -213,6 +213,7 @@ class TurnsRequest(Message):
     KIND: ClassVar[bytes] = b"turns?"
 
     group_key: GroupKey
+    drop_sample: int = -1  # >= 0: first forget that sample's turns (its episode runs again from the start)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -189,7 +189,12 @@ class Buffer(Actor):
 
     @handles(TurnsRequest)
     async def turns(self, msg: TurnsRequest) -> TurnRecords:
-        """What a (restarted) controller resumes a group's episodes from."""
+        """What a (restarted) controller resumes a group's episodes from (after forgetting
+        ``drop_sample``'s, an episode that runs again from its start)."""
+        if msg.drop_sample >= 0:
+            with self._ledger_writes():
+                self.ledger.drop_turns(msg.group_key, msg.drop_sample)
+            await self._durable()
         records = [unpack_turn(payload) for payload in self.ledger.turns(msg.group_key)]
         return TurnRecords(group_key=msg.group_key, records=records)
 

@@ -62,7 +62,7 @@ from protocols.messages import (
 )
 from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, TransportError
 from yatt.rl import rl_math
-from yatt.rl.agents.envs import EnvFactory
+from yatt.rl.agents.envs import EnvFactory, call
 from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Trajectory, Turn
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
@@ -171,10 +171,12 @@ def scored_episodes(
             [env_weight * (0.0 if math.isnan(r) else r) for r in t.info.turn_rewards] for t in trajectories
         ]  # fmt: skip
         for rewards, final in zip(turn_rewards, scores.rewards.tolist(), strict=True):
-            rewards[-1] += final  # the scorer mix judges the whole transcript: the last turn's
+            if rewards:  # the scorer mix judges the whole transcript: the last turn's
+                rewards[-1] += final
         per_turn = rl_math.turn_advantages(turn_rewards, gamma=env.gamma, std_normalize=algorithm.advantage != "dr_grpo")
         per_token = [_spread(advantages, t) for advantages, t in zip(per_turn, trajectories, strict=True)]
-        group = dataclasses.replace(group, advantages=torch.stack([a[0] for a in per_turn]))
+        first = [float(a[0]) if a.numel() else 0.0 for a in per_turn]
+        group = dataclasses.replace(group, advantages=torch.tensor(first, dtype=torch.float32))
     return dataclasses.replace(
         group,
         completion_masks=masks,
@@ -371,9 +373,12 @@ class Controller:
                 return await self._episode(key, sample, request, row, recorded=turns, record=record)
             except Diverged as e:
                 logger.warning("controller %d: group %s sample %d runs again from its start: %s", self.shard, key.as_str(), sample, e)
+                await self._call("buffer", TurnsRequest(group_key=key, drop_sample=sample), TurnRecords)  # (no old turn outlives it)
                 return await self._episode(key, sample, request, row, recorded=[], record=record)
 
-        episodes = await asyncio.gather(*(episode(i) for i in range(request.n)))
+        async with asyncio.TaskGroup() as tasks:  # (one that fails cancels the others)
+            running = [tasks.create_task(episode(i)) for i in range(request.n)]
+        episodes = [task.result() for task in running]
         prompt_ids = episodes[0][0]
         if any(ids != prompt_ids for ids, _ in episodes):
             raise ActorFailed(
@@ -396,10 +401,16 @@ class Controller:
         sample and turn: a re-issue samples the same) and recorded."""
         assert self.episodes is not None
         runner, new_env = self.episodes
-        env = new_env()
+        prompt = self.eval_prompts[key.prompt_index] if is_eval(key) else self.prompts[key.prompt_index]
         try:
-            prompt = self.eval_prompts[key.prompt_index] if is_eval(key) else self.prompts[key.prompt_index]
+            env = new_env()
             prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=prompt.prompt_ids)
+        except Exception as e:  # a user's environment: without its first observation the group cannot start
+            raise ActorFailed(
+                f"controller {self.shard}: group {key.as_str()}: making or resetting the environment failed "
+                f"({type(e).__name__}: {e}); fix env.class / env.kwargs"
+            ) from e
+        try:
 
             turns, affinity = len(recorded), list[str]()
 
@@ -423,7 +434,10 @@ class Controller:
         finally:
             close = getattr(env, "close", None)
             if callable(close):
-                close()
+                try:
+                    await call(close)
+                except Exception as e:  # a user's close: its episode is over either way
+                    logger.warning("controller %d: %s.close raised %s: %s", self.shard, type(env).__name__, type(e).__name__, e)
 
     async def _call(
         self, role: str, msg: Message, expect: type[R], *, timeout: float | None = None, affinity: list[str] | None = None
@@ -444,11 +458,15 @@ class Controller:
                 return reply
             except (PeerLost, RequestTimeout, TransportError) as e:
                 last = e
+                if affinity:
+                    affinity.clear()  # (a silent member's turn goes elsewhere)
                 self.reissued += 1
                 logger.warning("controller %d: %s request failed (%s); re-issuing", self.shard, role, e)
                 await self.directory.pause_before_retry(e)
             except RemoteError as e:
                 last = e
+                if affinity:
+                    affinity.clear()
                 logger.warning("controller %d: %s raised %s; re-issuing", self.shard, role, e.error_type)
         raise ActorFailed(
             f"controller {self.shard}: {type(msg).__name__} failed {self.config.max_attempts} times on the {role} pool"

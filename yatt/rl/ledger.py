@@ -229,12 +229,14 @@ class Ledger:
         ).fetchall()
         return [bytes(payload) for (payload,) in rows]
 
-    def drop_turns(self, key: GroupKey) -> None:
-        """Forget ``key``'s turns: its group is decided, its episodes are in its payload."""
-        self._write(
-            "DELETE FROM turns WHERE epoch = ? AND shard = ? AND prompt_index = ? AND attempt = ?",
-            (key.epoch, key.shard, key.prompt_index, key.attempt),
-        )
+    def drop_turns(self, key: GroupKey, sample: int | None = None) -> None:
+        """Forget ``key``'s turns (its group is decided, its episodes are in its payload), or
+        one ``sample``'s (its episode runs again from the start)."""
+        where = "epoch = ? AND shard = ? AND prompt_index = ? AND attempt = ?"
+        args: tuple[int, ...] = (key.epoch, key.shard, key.prompt_index, key.attempt)
+        if sample is not None:
+            where, args = f"{where} AND sample = ?", (*args, sample)
+        self._write(f"DELETE FROM turns WHERE {where}", args)
 
     def _write(self, sql: str, args: tuple[object, ...]) -> int:
         """One write in the current transaction (``group_commit``) or on its own; the rows it changed."""

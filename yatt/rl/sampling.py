@@ -200,14 +200,21 @@ def unpack(payload: bytes) -> ScoredGroup:
     return msg
 
 
+def newest_version(group: ScoredGroup | _Stored) -> int:
+    """The newest policy version that sampled any token of ``group`` (an episode's turns
+    can span a weight update: its per-sample version is its oldest token's)."""
+    newest = int(group.policy_versions.max())
+    return max([newest, *(int(v.max()) for v in group.token_versions if v.numel())])
+
+
 class _Stored:
     """A group as ``replay`` reads it from the ledger: decoded only as far as the buffer's
     decisions look (its key, policy versions and rewards); ``full()`` decodes the rest
     where a group is trained again or reported. Most groups of a long run were trained
     long ago: decoding every tensor of every one (~21 a group) was 70% of a replay."""
 
-    __slots__ = ("group_key", "payload", "policy_versions", "rewards")
-    NEEDED = ("group_key", "policy_versions", "rewards")
+    __slots__ = ("group_key", "payload", "policy_versions", "rewards", "token_versions")
+    NEEDED = ("group_key", "policy_versions", "rewards", "token_versions")
 
     def __init__(self, payload: bytes) -> None:
         fields = decode_fields(msgpack.unpackb(payload, raw=False), ScoredGroup, self.NEEDED)
@@ -215,6 +222,7 @@ class _Stored:
         self.group_key: GroupKey = fields["group_key"]
         self.policy_versions: torch.Tensor = fields["policy_versions"]
         self.rewards: torch.Tensor = fields["rewards"]
+        self.token_versions: list[torch.Tensor] = fields["token_versions"]
 
     def full(self) -> ScoredGroup:
         return unpack(self.payload)
@@ -380,7 +388,7 @@ class SamplingBuffer:
             self.stats.superseded += 1
             self.ledger.record(key, "superseded", f"attempt {self.attempts.get(g, 0)} is current")
             return "superseded"
-        newest = int(group.policy_versions.max())
+        newest = newest_version(group)
         if self.version_ceiling is not None and newest > self.version_ceiling:
             # Generated with weights of a step the run went back before: redo it.
             self.attempts[g] = key.attempt + 1

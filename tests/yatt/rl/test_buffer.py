@@ -269,6 +269,9 @@ async def test_an_episodes_turns_are_kept_until_its_group_is_decided(transport: 
     async with make(transport, tmp_path) as buffer, Client(transport, buffer.endpoint) as client:
         records = (await client.request(TurnsRequest(group_key=key), TurnRecords)).records
         assert [(r.sample, r.turn, r.token_ids.tolist()) for r in records] == [(0, 0, [3]), (0, 1, [7]), (1, 0, [5])]
+        # An episode run again from its start (its environment diverged) first forgets its own turns.
+        records = (await client.request(TurnsRequest(group_key=key, drop_sample=1), TurnRecords)).records
+        assert [(r.sample, r.turn) for r in records] == [(0, 0), (0, 1)]
         await client.request(make_group(key, 0), Ack)
         assert (await client.request(TurnsRequest(group_key=key), TurnRecords)).records == []
         assert len((await client.request(TurnsRequest(group_key=other), TurnRecords)).records) == 1

@@ -154,11 +154,7 @@ class EpisodeRunner:
                 obs, reward, terminated, truncated, info = await asyncio.wait_for(
                     call(env.step, self.decode(ids)), timeout=max(self.config.episode_timeout_s - env_time, 1e-3)
                 )
-            except TimeoutError:
-                ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
-            except Exception as e:  # a user's environment may raise anything: the episode ends, the run goes on
-                ended, detail = "env_error", f"{type(env).__name__}.step raised {type(e).__name__}: {e}"
-            else:
+                reward = None if reward is None else float(reward)
                 turn_errors = int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0
                 if terminated or truncated:
                     ended = "done" if terminated else "truncated"
@@ -166,6 +162,10 @@ class EpisodeRunner:
                     obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
                     if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
                         ended, obs_ids = "budget", []
+            except TimeoutError:
+                ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
+            except Exception as e:  # a user's environment may raise or answer anything: the episode ends, the run goes on
+                ended, detail, reward, obs_ids = "env_error", f"{type(env).__name__}.step: {type(e).__name__}: {e}", None, []
             finally:
                 env_time += time.monotonic() - began
             rewards.append(float("nan") if reward is None else float(reward))
@@ -186,7 +186,10 @@ class EpisodeRunner:
     def _render(self, obs: Observation, *, ended_with_eos: bool) -> list[int]:
         """An observation's ids, cut to ``env.max_obs_tokens`` at the configured end (the
         template's framing stays whole: only the content's tokens are cut)."""
-        ids = self.renderer.observation(messages_of(obs), ended_with_eos=ended_with_eos)
+        messages = messages_of(obs)
+        if not messages:  # nothing to add: the policy's next turn follows its last one
+            return []
+        ids = self.renderer.observation(messages, ended_with_eos=ended_with_eos)
         limit = self.config.max_obs_tokens
         if len(ids) <= limit:
             return ids

@@ -121,7 +121,7 @@ async def test_a_hanging_or_raising_environment_ends_its_episode_with_the_reason
     out = await play(run, Slow(), policy(tokenizer))
     assert out.info.ended == "timeout" and "episode_timeout_s=0.2" in out.info.detail and out.info.turns == 1
     out = await play(runner(tokenizer), Broken(), policy(tokenizer))
-    assert out.info.ended == "env_error" and out.info.detail == "Broken.step raised KeyError: 'the board'"
+    assert out.info.ended == "env_error" and out.info.detail == "Broken.step: KeyError: 'the board'"
     assert out.mask and all(out.mask), "trained on as far as it got: the turn before the error"
 
 
@@ -144,3 +144,34 @@ def test_an_environment_that_does_not_load_is_refused_naming_it() -> None:
         check_env(EnvConfig(class_="yatt.rl.agents.games:GuessNumber", kwargs={"high": 1}))
     with pytest.raises(PluginError, match=r"env.tools"):
         env_factory(EnvConfig(tools=["yatt.rl.agents.tools:nothing_here"]))
+
+
+class Odd(Counter):
+    """Answers its first step with nothing to add, its second with an observation no
+    renderer takes (a number)."""
+
+    def step(self, action: str) -> tuple[Any, float | None, bool, bool, dict[str, Any]]:
+        self.seen += 1
+        return (None if self.seen == 1 else 42), None, False, False, {}
+
+
+async def test_an_observation_that_cannot_be_rendered_ends_the_episode_not_the_run(tokenizer: Any) -> None:
+    out = await play(runner(tokenizer, max_turns=4), Odd(), policy(tokenizer))
+    assert out.info.ended == "env_error" and out.info.turns == 2, out.info
+    assert "TypeError: an observation is text, a chat message or a list of them (got int)" in out.info.detail
+    assert all(out.mask), "None added nothing: the second turn follows the first directly"
+
+
+def test_a_groups_newest_version_counts_every_token() -> None:
+    """An episode that spans a weight update is as new as its newest turn (a rollback to a
+    version between its turns must redo it), though its staleness is its oldest token's."""
+    from protocols.messages import GroupKey, ScoredGroup
+    from yatt.rl.sampling import newest_version
+
+    group = ScoredGroup(
+        group_key=GroupKey(epoch=0, shard=0, prompt_index=0), prompt_ids=torch.tensor([1], dtype=torch.int32),
+        completion_ids=[torch.tensor([2, 3, 4], dtype=torch.int32)], rollout_logprobs=[torch.zeros(3)],
+        rewards=torch.tensor([0.0]), advantages=torch.tensor([0.0]), policy_versions=torch.tensor([3]), finish_reasons=["stop"],
+        token_versions=[torch.tensor([3, -1, 5])],
+    )  # fmt: skip
+    assert newest_version(group) == 5

@@ -71,7 +71,7 @@ from launch.processes import (
     without_option,
     write_stacks,
 )
-from launch.progress import Progress, finish_line
+from launch.progress import Progress, finish_line, write_curves
 from protocols.messages import Ack, Query
 from yatt.errors import (
     RUN_STOPPED_EXIT,
@@ -262,6 +262,10 @@ class LocalLauncher:
                     finally:
                         await self.executor.close()
                     if code == 0:
+                        try:
+                            write_curves(self.run_dir)
+                        except (OSError, ImportError, ValueError) as e:  # the run is done either way
+                            print(f"yatt: curves.png not drawn ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
                         print(f"yatt: {finish_line(self.run_dir)}", flush=True)
                     return code
             except (ActorFailed, ConfigError, StorageError) as e:

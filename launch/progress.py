@@ -65,6 +65,42 @@ class Progress:
             self._bar.close()
 
 
+def write_curves(run_dir: Path) -> Path | None:
+    """``curves.png`` in the run dir: the training reward, the held-out greedy accuracy and
+    the step time over the steps (matplotlib, no display needed); None when no step was
+    logged."""
+    steps = read_jsonl(run_dir / names.METRICS) if (run_dir / names.METRICS).exists() else []
+    if not steps:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = [e for e in read_jsonl(run_dir / names.EVAL) if "eval/reward/accuracy" in e] if (run_dir / names.EVAL).exists() else []
+    panels = [
+        ("training reward (reward/mean)", [(r["step"], r["reward/mean"]) for r in steps if "reward/mean" in r]),
+        ("held-out greedy accuracy", [(e["step"], e["eval/reward/accuracy"]) for e in evals]),
+        ("step time, s (time/step_s)", [(r["step"], r["time/step_s"]) for r in steps if "time/step_s" in r]),
+    ]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (title, points) in zip(axes, panels, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o" if len(points) < 12 else None)
+        else:
+            ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes)
+    figure.suptitle(str(run_dir), fontsize=9)
+    figure.tight_layout()
+    path = run_dir / names.CURVES
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+
 def finish_line(run_dir: Path) -> str:
     """What a run that ended well says last: its steps, its training reward (mean of the first
     and the last 10 steps, with 20 or more), the held-out accuracy of its first and last
@@ -81,4 +117,5 @@ def finish_line(run_dir: Path) -> str:
             f"; held-out greedy accuracy (eval/reward/accuracy, eval.jsonl) {first['eval/reward/accuracy']:.2f} at step "
             f"{int(first['step'])} -> {last['eval/reward/accuracy']:.2f} at step {int(last['step'])}"
         )
-    return f"{said}; model in {run_dir / names.FINAL}"
+    curves = run_dir / names.CURVES
+    return f"{said}; model in {run_dir / names.FINAL}" + (f"; curves in {curves}" if curves.exists() else "")

@@ -54,3 +54,20 @@ def test_the_last_line_says_the_training_reward_and_the_held_out_accuracy(tmp_pa
         "done: 40 steps trained; training reward 0.60 -> 0.80; held-out greedy accuracy "
         f"(eval/reward/accuracy, eval.jsonl) 0.15 at step 0 -> 0.40 at step 40; model in {tmp_path / 'run' / 'final'}"
     )
+
+
+def test_a_run_draws_its_curves(tmp_path: Path) -> None:
+    """curves.png: the training reward, the held-out accuracy and the step time over the
+    steps, named by the last line; a run with no step logged draws nothing."""
+    from PIL import Image
+
+    from launch.progress import write_curves
+
+    assert write_curves(tmp_path / "empty") is None
+    run = tmp_path / "run"
+    fake_run(run, [0.6] * 20 + [0.7] * 20, (0.15, 0.40))
+    path = write_curves(run)
+    assert path == run / "curves.png"
+    with Image.open(path) as image:
+        assert image.size == (1300, 360)
+    assert finish_line(run).endswith(f"; model in {run / 'final'}; curves in {path}")

@@ -162,6 +162,8 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     first, last = evals[0]["eval/reward/accuracy"], evals[-1]["eval/reward/accuracy"]
     headline = f"held-out greedy accuracy (eval/reward/accuracy, eval.jsonl) {first:.2f} at step 0 -> {last:.2f} at step 40"
     assert headline in (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    assert f"; curves in {run_dir / 'curves.png'}" in (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
+    assert (run_dir / "curves.png").stat().st_size > 10_000
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
     assert {"reward/digits/mean", "reward/failed_share", "response_length/mean", "response_length/clip_ratio"} <= set(rows[-1])

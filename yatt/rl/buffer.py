@@ -182,10 +182,12 @@ class Buffer(Actor):
                 f"TurnRecord {msg.group_key.as_str()}: sample {msg.sample}, turn {msg.turn}: a group has samples "
                 f"0..{(size or 1) - 1} and turns from 0"
             )
+        if not is_eval(msg.group_key) and not self.core.in_flight(msg.group_key):
+            return Ack(info={"recorded": "no: the group is decided or superseded"})  # (a slow controller's)
         with self._ledger_writes():
             self.ledger.record_turn(msg.group_key, msg.sample, msg.turn, pack(msg))
         await self._durable()
-        return Ack()
+        return Ack(info={"recorded": "yes"})
 
     @handles(TurnsRequest)
     async def turns(self, msg: TurnsRequest) -> TurnRecords:
@@ -300,6 +302,11 @@ class Buffer(Actor):
     async def version(self, msg: PolicyVersion) -> Ack:
         with self._ledger_writes():
             self.core.publish_version(msg.version)
+            # A step's end supersedes the groups dispatched past it (on-policy): their
+            # episodes' turns are never read again.
+            for key in self.ledger.turn_keys():
+                if not self.core.in_flight(key):
+                    self.ledger.drop_turns(key)
         await self._durable()
         await self._notify()
         return Ack(seq=msg.version)

@@ -229,6 +229,11 @@ class Ledger:
         ).fetchall()
         return [bytes(payload) for (payload,) in rows]
 
+    def turn_keys(self) -> list[GroupKey]:
+        """The keys whose episodes have recorded turns."""
+        rows = self._db.execute("SELECT DISTINCT epoch, shard, prompt_index, attempt FROM turns").fetchall()
+        return [GroupKey(epoch=e, shard=s, prompt_index=p, attempt=a) for e, s, p, a in rows]
+
     def drop_turns(self, key: GroupKey, sample: int | None = None) -> None:
         """Forget ``key``'s turns (its group is decided, its episodes are in its payload), or
         one ``sample``'s (its episode runs again from the start)."""

@@ -364,6 +364,15 @@ class SamplingBuffer:
             raise ValueError(f"prompt index {key.prompt_index} is not in the dataset of {self.num_prompts} prompts")
         return key.epoch * self.num_prompts + p
 
+    def in_flight(self, key: GroupKey) -> bool:
+        """Whether ``key`` is a group the buffer still waits for: undecided, its attempt the
+        current one (an episode's recorded turns are worth keeping only then)."""
+        try:
+            g = self.position(key)
+        except ValueError:
+            return False
+        return g >= self.cursor and g not in self.decided and key.attempt == self.attempts.get(g, 0)
+
     # ------------------------------------------------------------ controllers' side
 
     def offer(self, group: ScoredGroup) -> str:

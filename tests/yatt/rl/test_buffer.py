@@ -274,6 +274,14 @@ async def test_an_episodes_turns_are_kept_until_its_group_is_decided(transport: 
         assert [(r.sample, r.turn) for r in records] == [(0, 0), (0, 1)]
         await client.request(make_group(key, 0), Ack)
         assert (await client.request(TurnsRequest(group_key=key), TurnRecords)).records == []
+        late = await client.request(turn_record(key, 0, 2, 6), Ack)  # a slow controller's, after the decision
+        assert late.info["recorded"].startswith("no") and (await client.request(TurnsRequest(group_key=key), TurnRecords)).records == []
+        # A step's end supersedes what was dispatched past it: those episodes' turns go at the next version.
+        third = (await client.request(PlanRequest(shard=1, num_shards=2, after_seq=-1, wait_s=0.1), DispatchPlan)).keys[0]
+        await client.request(turn_record(third, 0, 0, 1), Ack)
+        buffer.core.attempts[buffer.core.position(third)] = third.attempt + 1  # (as _supersede_beyond_cursor does)
+        await client.request(PolicyVersion(version=1), Ack)
+        assert (await client.request(TurnsRequest(group_key=third), TurnRecords)).records == []
         assert len((await client.request(TurnsRequest(group_key=other), TurnRecords)).records) == 1
         await client.request(Query(what="rewind"), Ack)
         assert (await client.request(TurnsRequest(group_key=other), TurnRecords)).records == []

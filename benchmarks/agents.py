@@ -51,11 +51,11 @@ from protocols.messages import (
     GenerateRequest,
     GroupKey,
     SamplingParams,
-    TurnRecord,
 )
 from yatt.rl.agents.episodes import EpisodeRunner, Turn
 from yatt.rl.agents.games import GuessNumber
 from yatt.rl.config import BufferConfig, EnvConfig, GeneratorConfig
+from yatt.rl.controller import turn_record
 from yatt.runtime.configtools import build
 
 
@@ -154,7 +154,7 @@ async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator
 
             async def record(turn: Turn) -> None:
                 began = time.perf_counter()
-                await buf.request(turn_record(key, turn), Ack)
+                await buf.request(turn_record(key, 0, turn), Ack)
                 record_s.append(time.perf_counter() - began)
 
             try:
@@ -171,15 +171,6 @@ async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator
         "wall_s": wall, "engine_s": generator.generate_s - engine_before, "turns": float(sum(turns)),
         "record_s": sum(record_s), "records": float(len(record_s)),
     }  # fmt: skip
-
-
-def turn_record(key: GroupKey, turn: Turn) -> TurnRecord:
-    return TurnRecord(
-        group_key=key, sample=0, turn=turn.index, token_ids=torch.tensor(turn.token_ids, dtype=torch.int32),
-        logprobs=torch.tensor(turn.logprobs), policy_version=turn.version, finish_reason=turn.finish_reason,
-        obs_ids=torch.tensor(turn.obs_ids, dtype=torch.int32), reward=float("nan") if turn.reward is None else turn.reward,
-        tool_errors=turn.tool_errors, ended=turn.ended,
-    )  # fmt: skip
 
 
 async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, list[dict[str, float]]]:

@@ -401,10 +401,9 @@ class Controller:
         sample and turn: a re-issue samples the same) and recorded."""
         assert self.episodes is not None
         runner, new_env = self.episodes
-        prompt = self.eval_prompts[key.prompt_index] if is_eval(key) else self.prompts[key.prompt_index]
         try:
             env = new_env()
-            prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=prompt.prompt_ids)
+            prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=request.prompt_ids.tolist())
         except Exception as e:  # a user's environment: without its first observation the group cannot start
             raise ActorFailed(
                 f"controller {self.shard}: group {key.as_str()}: making or resetting the environment failed "

@@ -65,6 +65,11 @@ Conventions:
 - Models stay in eval mode (no dropout), as in inference, so trainer and generator
   log-probs agree; activation checkpointing wraps each decoder layer instead of using the
   Hugging Face switch that only works in training mode.
+- Padding: with ``trainer.pack`` every forward (policy, reference, critic) reads a
+  micro-batch as one row of its real tokens, position ids restarting per sequence
+  (``workers.packing``), and its per-token results come back [B, T]: the log-probs, losses
+  and counts are the padded computation's. The ``pad_share`` metric is the share of the
+  step's [B, T] positions that are padding, packed or not.
 - On GPU each process must ``torch.cuda.set_device(local_rank)`` before ``Trainer(...)``.
 """
 
@@ -115,6 +120,7 @@ from transformers import (
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
+from workers.packing import pack, padding_problem, plan, unpack
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
 from yatt.rl import rl_math
 from yatt.rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
@@ -123,7 +129,7 @@ from yatt.runtime import trace
 # The step's local sums, all-reduced together in one collective by reduce_gradients.
 _SUMS = (
     "loss count tokens clip_frac approx_kl kl entropy is_weight is_weight_sq is_masked logprob_diff "
-    "value_loss value sequences"
+    "value_loss value sequences padding positions"
 ).split()
 # Checkpoint entries that older checkpoints (or another kl_controller) may lack.
 _OPTIONAL_STATE = ("optimizer_steps", "kl_coef")
@@ -349,7 +355,8 @@ class Trainer:
                 with trace.span("optimizer"):
                     updates.append(self._update(self._reduce()))
         metrics = {k: sum(u[k] for u in updates) / (1 if k.startswith("time_") else len(updates)) for k in updates[0]}
-        metrics["tokens"] = sum(u["tokens"] for u in updates[:runs])  # the batch's, once
+        for key in ("tokens", "padding", "positions"):  # the batch's, once
+            metrics[key] = sum(u[key] for u in updates[:runs])
         metrics["clip_frac_last"] = updates[-1]["clip_frac"]  # the last update's, most off-policy
         metrics["time_prepare_s"] = prepare_s
         return self._end_step(metrics, sequences=sum(u["sequences"] for u in updates[:runs]))
@@ -359,17 +366,9 @@ class Trainer:
         """Old log-probs, reference log-probs, critic values and token advantages of one
         micro-batch, with the weights that start the batch (no grad)."""
         algo = self._algo
-        kwargs = dict(input_ids=b.ids, attention_mask=b.attention, use_cache=False)
-        if algo.old_logprobs == "rollout":
-            b.old = b.rollout
-        else:
-            logits = self.policy(**kwargs).logits  # [B, T, V]
-            b.old = rl_math.token_logprobs(logits, b.ids, temperature=self._temperature).float()
-            del logits
+        b.old = b.rollout if algo.old_logprobs == "rollout" else self._logprobs(self.policy, b.ids, b.attention)
         if self.reference is not None:
-            ref_logits = self.reference(**kwargs).logits
-            b.ref = rl_math.token_logprobs(ref_logits, b.ids, temperature=self._temperature).float()
-            del ref_logits
+            b.ref = self._logprobs(self.reference, b.ids, b.attention)
         if self.critic is not None:
             b.old_values = self._values(b)
         b.advantages, b.returns = self._token_advantages(b, b.old)
@@ -401,20 +400,40 @@ class Trainer:
         """The critic's values [B, T]: the value of the state before token t is its output
         at t - 1 (aligned like log-probs), 0 at t = 0; differentiable."""
         assert self.critic is not None
-        out = self.critic(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits[..., 0]
-        return torch.nn.functional.pad(out[:, :-1].float(), (1, 0))  # [B, T]
+        out, _, unpacked = self._forward(self.critic, b.ids, b.attention)  # [R, S, 1]
+        return unpacked(torch.nn.functional.pad(out[..., 0][:, :-1].float(), (1, 0)))  # [B, T]
+
+    def _forward(
+        self, module: nn.Module, ids: Tensor, attention: Tensor
+    ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """``module``'s logits [R, S, V] for the batch ``ids`` [B, T], the ids they read
+        [R, S], and the map of a per-token result [R, S] aligned like log-probs back to
+        [B, T]. With ``trainer.pack`` the batch runs as one row of its real tokens (R = 1,
+        S = N, ``workers.packing``), else padded as given (the map is the identity)."""
+        if not self._config.pack:
+            logits = module(input_ids=ids, attention_mask=attention, use_cache=False).logits
+            return logits, ids, lambda x: x
+        packing = plan(attention)
+        packed = pack(ids, packing)  # [1, N]
+        # No attention mask: transformers reads the restarting positions as sequence bounds.
+        logits = module(input_ids=packed, position_ids=packing.position_ids, use_cache=False).logits
+        return logits, packed, lambda x: unpack(x, packing, shifted=True)
+
+    def _logprobs(self, module: nn.Module, ids: Tensor, attention: Tensor) -> Tensor:
+        """[B, T] float32 log-probs of ``ids`` under ``module`` at the rollouts' temperature."""
+        logits, read, unpacked = self._forward(module, ids, attention)
+        return unpacked(rl_math.token_logprobs(logits, read, temperature=self._temperature).float())
 
     def _forward_backward(self, b: _Batch) -> None:
         start = time.perf_counter()
         algo, sums, mask = self._algo, self._sums, b.mask
-        logits = self.policy(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits  # [B, T, V]
-        logprobs = rl_math.token_logprobs(logits, b.ids, temperature=self._temperature)  # [B, T]
+        logits, ids, unpacked = self._forward(self.policy, b.ids, b.attention)  # [R, S, V]
+        logprobs = unpacked(rl_math.token_logprobs(logits, ids, temperature=self._temperature))  # [B, T]
         if b.old is None:  # streaming: before the only update, the current weights are the old ones
             old = b.rollout if algo.old_logprobs == "rollout" else logprobs.detach()
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logits = self.reference(input_ids=b.ids, attention_mask=b.attention, use_cache=False).logits
-                    b.ref = rl_math.token_logprobs(ref_logits, b.ids, temperature=self._temperature).float()
+                    b.ref = self._logprobs(self.reference, b.ids, b.attention)
             advantages, _ = self._token_advantages(b, old)
         else:
             old, advantages = b.old, b.advantages
@@ -436,11 +455,11 @@ class Trainer:
             if not algo.kl_in_reward:
                 per_token = per_token + self.kl_coef * kl
         if algo.entropy_coef > 0:
-            entropy = rl_math.entropy_from_logits(logits, temperature=self._temperature)  # [B, T]
+            entropy = unpacked(rl_math.entropy_from_logits(logits, temperature=self._temperature))  # [B, T]
             per_token = per_token - algo.entropy_coef * entropy
         else:
             with torch.no_grad():  # a metric only
-                entropy = rl_math.entropy_from_logits(logits.detach(), temperature=self._temperature)
+                entropy = unpacked(rl_math.entropy_from_logits(logits.detach(), temperature=self._temperature))
         numerator = rl_math.loss_sum(per_token, loss_mask, mode=algo.aggregation, norm=algo.aggregation_norm)
         torch.autograd.backward(numerator)
         with torch.no_grad():
@@ -449,6 +468,8 @@ class Trainer:
             sums["count"] += rl_math.loss_count(loss_mask, mode=algo.aggregation)
             sums["tokens"] += tokens
             sums["sequences"] += mask.any(-1).sum()
+            sums["padding"] += (~b.attention).sum()
+            sums["positions"] += b.attention.numel()
             sums["clip_frac"] += stats.get("clip_frac", 0.0) * tokens
             sums["approx_kl"] += stats.get("approx_kl", 0.0) * tokens
             sums["entropy"] += _masked_sum(entropy, mask)
@@ -495,6 +516,8 @@ class Trainer:
             problem = f"MicroBatch.input_ids must be [B, T] with T >= 2 (got {shape})"
         elif bad:
             problem = f"MicroBatch.{bad[0]} has shape {tuple(getattr(mb, bad[0]).shape)}, input_ids {shape}"
+        elif self._config.pack:
+            problem = padding_problem(mb.attention_mask)
         if self._received > 0:
             if problem:
                 raise ProtocolError(problem)
@@ -566,7 +589,10 @@ class Trainer:
         metrics["is_masked_frac"] = s["is_masked"] / tokens
         if self.reference is not None:
             metrics["kl"] = s["kl"] / tokens
-        metrics.update(tokens=s["tokens"], sequences=s["sequences"], time_optimizer_s=time.perf_counter() - start)
+        metrics.update(
+            tokens=s["tokens"], sequences=s["sequences"], padding=s["padding"], positions=s["positions"],
+            time_optimizer_s=time.perf_counter() - start,
+        )  # fmt: skip
         self._begin_update()
         return metrics
 
@@ -579,6 +605,7 @@ class Trainer:
             metrics["kl_coef"] = self._kl.update(metrics["kl"], int(sequences))
         self._step += 1
         metrics.pop("sequences", None)
+        metrics["pad_share"] = metrics.pop("padding") / max(metrics.pop("positions"), 1.0)
         metrics.update(
             step=float(self._step),
             optimizer_steps=float(self._optimizer_steps),
@@ -630,11 +657,8 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, T] float32 log-probs of the tokens under the current policy (CPU); collective."""
-        ids = input_ids.to(self.device, torch.int64)
-        logits = self.policy(
-            input_ids=ids, attention_mask=attention_mask.to(self.device), use_cache=False
-        ).logits
-        return rl_math.token_logprobs(logits, ids, temperature=self._temperature).float().cpu()
+        ids, attention = input_ids.to(self.device, torch.int64), attention_mask.to(self.device, torch.bool)
+        return self._logprobs(self.policy, ids, attention).cpu()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -383,6 +383,9 @@ class TrainerConfig:
     """Max global gradient norm; 0: no clipping."""
     activation_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    pack: bool = False
+    """Run each micro-batch as one row of its real tokens (no FLOPs on padding; the same log-probs,
+    loss and counts); off by default: on CPU, sdpa's block-diagonal mask over the row makes it slower."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps; 0: only at the end."""
     keep_checkpoints: int = 0

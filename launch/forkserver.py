@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 PRELOAD = (
     "launch.forkserver_init", "torch", "transformers", "workers.engines.hf", "workers.reward.worker", "workers.trainer_rank", "yatt.rl.buffer",
-    "yatt.rl.controller", "launch.role",
+    "yatt.rl.controller", "workers.env", "launch.role",
 )  # fmt: skip
 """What the server imports once: the modules whose import takes a forked role's time."""
 

@@ -91,7 +91,7 @@ from yatt.runtime import trace
 from yatt.runtime.registry import Directory, Registry
 from yatt.runtime.transport import Transport
 
-RESTARTABLE = ("controller", "generator", "reward", "buffer")
+RESTARTABLE = ("controller", "env", "generator", "reward", "buffer")
 GRACE_S = 15.0
 HUNG_S = 10.0
 """A role process the registry dropped (silent past its heartbeat limit) but still alive

@@ -56,6 +56,7 @@ def role_counts(cfg: RunConfig) -> dict[str, int]:
     return {
         "buffer": 1,
         "reward": cfg.run.num_rewards,
+        "env": cfg.env.env_workers,
         "generator": cfg.run.num_generators,
         "controller": cfg.controller.num_controllers,
         "trainer": cfg.trainer.world_size,

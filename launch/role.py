@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("yatt.role")
 
-ROLES = ("buffer", "controller", "generator", "reward", "trainer")
+ROLES = ("buffer", "controller", "env", "generator", "reward", "trainer")
 
 
 def die_with_launcher() -> None:
@@ -170,9 +170,9 @@ async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Trans
         await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
 
 
-def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, EnvFactory]:
+def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, EnvFactory | None]:
     """A controller's episode runner (its renderer checked against the model's chat
-    template) and its environment factory, for ``env``."""
+    template) and, for ``env.inline``, its environment factory (else None: the env role's)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from launch.checks import episode_context
@@ -191,7 +191,7 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, Env
         eos_ids={int(i) for i in [*eos, tokenizer.eos_token_id] if i is not None},
         max_new_tokens=cfg.controller.max_new_tokens, context=context,
     )  # fmt: skip
-    return runner, env_factory(cfg.env)
+    return runner, env_factory(cfg.env) if cfg.env.inline else None
 
 
 async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
@@ -216,6 +216,13 @@ async def _reward(
 
     actor = Reward(transport, endpoint=f"tcp://{args.host}:*", config=cfg.reward, tokenizer_path=str(args.model_path),
                    slow=trace.reward_slowdown(Path(args.run_dir)), mix=mix)
+    await _serve(actor, args.registry, stop)
+
+
+async def _env(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
+    from workers.env import EnvWorker
+
+    actor = EnvWorker(transport, endpoint=f"tcp://{args.host}:*", config=cfg.env)
     await _serve(actor, args.registry, stop)
 
 
@@ -251,7 +258,9 @@ async def _trainer(cfg: RunConfig, args: argparse.Namespace, transport: Transpor
             await _serve(actor, args.registry, stop, until=lambda: rank.run(directory, stop))
 
 
-_MAINS = {"buffer": _buffer, "controller": _controller, "generator": _generator, "reward": _reward, "trainer": _trainer}
+_MAINS = {
+    "buffer": _buffer, "controller": _controller, "env": _env, "generator": _generator, "reward": _reward, "trainer": _trainer,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

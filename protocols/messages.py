@@ -227,6 +227,36 @@ class TurnRecords(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvCall(Message):
+    """A controller's call on one episode's environment, hosted by the env role
+    (``workers.env``): reset it, step it with the policy's turn, or close it."""
+
+    KIND: ClassVar[bytes] = b"env.call"
+
+    episode: str  # the episode's id, unique per attempt of it
+    method: str  # "reset" | "step" | "close"
+    turn: int = -1  # step: 0-based; the same turn again is answered again, not stepped twice
+    seed: int = 0  # reset
+    row_json: str = ""  # reset: the data row's fields, JSON
+    action: str = ""  # step: the policy's turn as text
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvReply(Message):
+    """What an environment answered to an ``EnvCall`` (close: nothing but the episode)."""
+
+    KIND: ClassVar[bytes] = b"env.rep"
+
+    episode: str
+    messages: list[dict[str, str]] = field(default_factory=list)  # the observation, as chat messages
+    reward: float | None = None
+    terminated: bool = False
+    truncated: bool = False
+    tool_errors: int = 0  # step: info["tool_errors"]
+    tools_json: str = ""  # reset: info["tools"] (OpenAI function schemas), JSON; "": none
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepReport(Message):
     """What the buffer saw of one step's groups (every group it consumed for the step,
     trained or filtered): reward, per-scorer, failure and length statistics, and a sample
@@ -435,6 +465,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     TurnRecord,
     TurnsRequest,
     TurnRecords,
+    EnvCall,
+    EnvReply,
     StepReport,
     MicroBatchRequest,
     MicroBatch,

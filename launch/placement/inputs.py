@@ -255,6 +255,7 @@ def roles_of(cfg: RunConfig) -> Roles:
         generators=cfg.run.num_generators,
         rewards=cfg.run.num_rewards,
         controllers=cfg.controller.num_controllers,
+        envs=cfg.env.env_workers,
         reward_engines=any(s.kind in ("reward_model", "judge") for s in cfg.reward.scorers),
         tensor_parallel=cfg.generator.tensor_parallel,
     )

@@ -87,33 +87,51 @@ def accepted_episodes(run_dir: Path) -> dict[str, list[list[int]]]:
         ledger.close()
 
 
-def test_a_controller_killed_mid_episode_resumes_its_episodes_losing_no_turn(tmp_path: Path) -> None:
-    """SIGKILL a controller once the ledger holds the second turn of one of its episodes
-    (of 4): the launcher restarts it, it resumes those episodes after their recorded turns
-    (its log says so), and every group trains the same episodes, token for token, as an
-    undisturbed run."""
+KILL_ITEMS = [str(REPO / "examples" / "agent_guess.yaml"), "run.steps=4", "placement.layout=disaggregated", "env.inline=false"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
+    """The episodes every group of the kill tests' run trains when nothing is killed."""
+    reference = tmp_path_factory.mktemp("agents") / "undisturbed"
+    run(reference, *KILL_ITEMS)
+    return accepted_episodes(reference)
+
+
+@pytest.mark.parametrize(
+    ("role", "says"),
+    [
+        ("controller", "resumes after turn"),  # its episodes go on after their recorded turns
+        ("env", "rebuilt on"),  # each episode of the env worker reset and its actions stepped again elsewhere
+        ("generator", "re-issuing"),  # the turns in flight asked again
+    ],
+)
+def test_a_role_killed_mid_episode_loses_no_turn(
+    tmp_path: Path, undisturbed: dict[str, list[list[int]]], role: str, says: str
+) -> None:
+    """SIGKILL a controller, the env worker or the generator once the ledger holds the
+    second turn of an episode (of 4): the launcher restarts it, the episodes go on (the
+    controllers' logs say how), and every group trains the same episodes, token for token,
+    as an undisturbed run."""
     import os
     import signal
     import time
 
     from benchmarks.fuzzing import role_processes
 
-    items = [str(REPO / "examples" / "agent_guess.yaml"), "run.steps=4", "placement.layout=disaggregated"]
-    reference = tmp_path / "undisturbed"
-    run(reference, *items)
     run_dir = tmp_path / "killed"
-    proc = launch_run(run_dir, items, env={"YATT_LOG_LEVEL": "INFO"})
+    proc = launch_run(run_dir, KILL_ITEMS, env={"YATT_LOG_LEVEL": "INFO"})
     deadline = time.monotonic() + 300
     while not (second := [t for t in recorded_turns(run_dir) if t[3] == 1]):
         assert time.monotonic() < deadline and proc.poll() is None, "no episode reached its second turn"
         time.sleep(0.02)
-    shard = second[0][0]
-    os.kill(role_processes(run_dir)[f"controller-{shard}"], signal.SIGKILL)
+    victim = f"controller-{second[0][0]}" if role == "controller" else f"{role}-0"
+    os.kill(role_processes(run_dir)[victim], signal.SIGKILL)
     code = proc.wait(timeout=600)
     log = (run_dir.parent / f"{run_dir.name}.launcher.log").read_text(errors="replace")
     assert code == 0, log[-4000:]
-    assert f"controller-{shard} exited" in log
-    resumed = (run_dir / "logs" / f"controller-{shard}.log").read_text()
-    assert "resumes after turn" in resumed, resumed[-3000:]
+    assert f"{victim} exited" in log
+    controllers = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("controller-*.log"))
+    assert says in controllers, controllers[-3000:]
     episodes = accepted_episodes(run_dir)
-    assert len(episodes) == 4 * 8 and episodes == accepted_episodes(reference)
+    assert len(episodes) == 4 * 8 and episodes == undisturbed

@@ -373,6 +373,9 @@ PROBE: list[tuple[list[str], str]] = [
     (["env.tools=[yatt.rl.agents.tools:calculator]", "env.max_total_tokens=100000"], "env.max_total_tokens"),
     (["env.tools=[yatt.rl.agents.tools:calculator]", "env.tool_timeout_s=0"], "env.tool_timeout_s"),
     (["env.tools=[yatt.rl.agents.tools:calculator]", "env.gamma=0"], "env.gamma"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.workers=0"], "env.workers"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.cpu_limit_s=-1"], "env.cpu_limit_s"),
+    (["env.tools=[yatt.rl.agents.tools:calculator]", "env.memory_limit_mb=-5"], "env.memory_limit_mb"),
     (["env.tools=[yatt.rl.agents.tools:calculator]", "env.credit=turn", "algorithm.advantage=rloo"], "env.credit"),
     (["env.tools=[yatt.rl.agents.tools:calculator]", "algorithm.overlong_buffer=4"], "algorithm.overlong_buffer"),
 ]

@@ -94,6 +94,7 @@ def roles_of_plan(plan: Plan) -> Roles:
         generators=len(trainers) if plan.layout == "colocated" else len(gens),
         rewards=len(rewards),
         controllers=len(plan.of("controller")),
+        envs=len(plan.of("env")),
         reward_engines=any(a.slots for a in rewards),
         tensor_parallel=len(gens[0].slots) if gens and gens[0].slots else 1,
     )

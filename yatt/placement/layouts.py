@@ -34,6 +34,8 @@ class Roles:
     """Generator processes (disaggregated, partial); the colocated layout has one per rank."""
     rewards: int
     controllers: int
+    envs: int = 0
+    """Env role processes (episodes' environments out of the controllers)."""
     reward_engines: bool = False
     """The reward workers run a model (reward model or judge) and want slots of their own."""
     tensor_parallel: int = 1
@@ -83,10 +85,11 @@ def _cores(cluster: ClusterSpec, slots: list[int]) -> tuple[int, ...]:
 
 
 def _movers(roles: Roles, *, with_rewards: bool) -> list[Assignment]:
-    """Buffer, controllers and (rule-based) reward workers: unpinned, one thread."""
+    """Buffer, controllers, env workers and (rule-based) reward workers: unpinned, one thread."""
     out = [Assignment(role="buffer", index=0, slots=())]
     if with_rewards:
         out += [Assignment(role="reward", index=i, slots=()) for i in range(roles.rewards)]
+    out += [Assignment(role="env", index=i, slots=()) for i in range(roles.envs)]
     out += [Assignment(role="controller", index=i, slots=()) for i in range(roles.controllers)]
     return out
 

@@ -18,7 +18,7 @@ from yatt.placement.plan import Assignment, Layout, Plan, Role
 HEAVY = ("generator", "trainer")
 """Roles that get their own CPUs (srun --exact) and, on GPU nodes, one GPU per process."""
 LAYOUT_NAMES = ("colocated", "partial", "disaggregated")
-LIGHT = ("buffer", "reward", "controller")
+LIGHT = ("buffer", "reward", "env", "controller")
 """Roles that share the first node's CPUs with everything else (srun --overlap)."""
 
 

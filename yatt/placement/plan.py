@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 Layout = Literal["colocated", "partial", "disaggregated"]
-Role = Literal["buffer", "controller", "generator", "reward", "trainer"]
+Role = Literal["buffer", "controller", "env", "generator", "reward", "trainer"]
 LAYOUTS: tuple[Layout, ...] = ("colocated", "partial", "disaggregated")
 
 
@@ -85,7 +85,7 @@ class Plan:
 
     def counts(self) -> dict[str, int]:
         """Processes per role, in start order (generators hosted by trainer ranks are not processes)."""
-        order = ("buffer", "reward", "generator", "controller", "trainer")
+        order = ("buffer", "reward", "env", "generator", "controller", "trainer")
         return {role: len(self.of(role)) for role in order}
 
     def to_json(self) -> dict[str, object]:

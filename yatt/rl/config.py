@@ -709,8 +709,28 @@ class EnvConfig:
     minus the group's mean episode return (yatt.rl.rl_math.turn_advantages)."""
     gamma: float = 1.0
     """Discount per turn of ``credit: turn``."""
+    inline: bool = False
+    """Run the environments (or tools) inside the controllers: for pure, fast environments.
+    false: in the env role's processes (``workers``), each episode's environment in a process
+    of its own under the limits below, where a hang, a crash or a memory blow-up ends that
+    episode only."""
+    workers: int = 1
+    """Env role processes (not ``inline``); the controllers spread episodes over them."""
+    cpu_limit_s: float = 600.0
+    """CPU seconds one episode's environment process may use (RLIMIT_CPU); past it the
+    process is killed and the episode ends as env_error. 0: no limit."""
+    memory_limit_mb: int = 4096
+    """Address space of one episode's environment process (RLIMIT_AS), in MiB; an allocation
+    past it fails (MemoryError) and the episode ends as env_error. 0: no limit."""
+    network: bool = False
+    """Let environments and tools reach the network; false: each episode's process runs in a
+    network namespace of its own (no interface but a down loopback) where the OS allows it
+    (Linux with user namespaces or root; elsewhere the env role says once that it cannot)."""
 
     def __post_init__(self) -> None:
+        require(self.workers >= 1, "workers", f"must be >= 1 (got {self.workers}); env.inline: true runs environments in the controllers")
+        require(self.cpu_limit_s >= 0, "cpu_limit_s", f"must be >= 0 seconds, 0 for no limit (got {self.cpu_limit_s})")
+        require(self.memory_limit_mb >= 0, "memory_limit_mb", f"must be >= 0 MiB, 0 for no limit (got {self.memory_limit_mb})")
         require(not self.tools or not self.class_, "tools", "and env.class are both set: a user environment calls its own tools; set one")
         require(self.max_turns >= 1, "max_turns", f"must be >= 1 (got {self.max_turns})")
         require(self.max_total_tokens >= 0, "max_total_tokens", f"must be >= 0 (got {self.max_total_tokens})")
@@ -724,6 +744,11 @@ class EnvConfig:
     def enabled(self) -> bool:
         """Whether prompts run as multi-turn episodes."""
         return bool(self.class_ or self.tools)
+
+    @property
+    def env_workers(self) -> int:
+        """Env role processes the run starts: ``workers`` for episodes not run ``inline``, else 0."""
+        return self.workers if self.enabled and not self.inline else 0
 
     @property
     def render_protocol(self) -> Literal["chat", "raw"]:

@@ -64,6 +64,7 @@ from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, Tran
 from yatt.rl import rl_math
 from yatt.rl.agents.envs import EnvFactory, call
 from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Trajectory, Turn
+from yatt.rl.agents.remote import RemoteEnv
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
 from yatt.rl.evaluation import GREEDY, eval_version, is_eval
@@ -228,11 +229,11 @@ class Controller:
         seed: int,
         eval_prompts: list[Prompt] | None = None,
         evaluation: EvalConfig | None = None,
-        episodes: tuple[EpisodeRunner, EnvFactory] | None = None,
+        episodes: tuple[EpisodeRunner, EnvFactory | None] | None = None,
     ) -> None:
         """``eval_prompts``: the held-out prompts the buffer's eval keys index, sampled as
         ``evaluation`` says. ``episodes``: run each sample as a multi-turn episode with this
-        runner, against a new environment from this factory."""
+        runner, against a new environment from this factory (None: hosted by the env role)."""
         if not 0 <= shard < config.num_controllers:
             raise ValueError(f"shard {shard} is outside 0..{config.num_controllers - 1}")
         self.config = config
@@ -402,7 +403,10 @@ class Controller:
         assert self.episodes is not None
         runner, new_env = self.episodes
         try:
-            env = new_env()
+            env = new_env() if new_env is not None else RemoteEnv(
+                self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,
+                wait_s=self.config.request_timeout_s,
+            )  # fmt: skip
             prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=request.prompt_ids.tolist())
         except Exception as e:  # a user's environment: without its first observation the group cannot start
             raise ActorFailed(

@@ -17,7 +17,7 @@ def slots(plan: object, role: str) -> list[tuple[int, ...]]:
 
 def test_colocated_on_cpu_pins_a_rank_per_core_and_hosts_the_engines() -> None:
     plan = assign("colocated", cpu_cluster([4, 5], 8 * GIB), ROLES)
-    assert plan.counts() == {"buffer": 1, "reward": 1, "generator": 0, "controller": 2, "trainer": 2}
+    assert plan.counts() == {"buffer": 1, "reward": 1, "env": 0, "generator": 0, "controller": 2, "trainer": 2}
     assert [(a.slots, a.cores, a.threads, a.shared, a.hosts_generator) for a in plan.of("trainer")] == [
         ((0,), (4,), 1, True, True), ((1,), (5,), 1, True, True)
     ]
@@ -57,3 +57,12 @@ def test_a_gpu_rank_gets_one_gpu() -> None:
         assign("colocated", one, ROLES)
     with pytest.raises(LayoutError, match=r"5 trainer ranks need 5 GPUs.*set trainer.world_size=4"):
         assign("partial", gpus, Roles(trainers=5, generators=1, rewards=1, controllers=1))
+
+
+def test_env_workers_are_placed_unpinned_like_the_other_movers_in_every_layout() -> None:
+    from dataclasses import replace
+
+    for layout in ("colocated", "partial", "disaggregated"):
+        plan = assign(layout, cpu_cluster([0, 1, 2, 3], 8 * GIB), replace(ROLES, envs=2))
+        assert [(a.index, a.slots, a.threads) for a in plan.of("env")] == [(0, (), 1), (1, (), 1)]
+        assert plan.counts()["env"] == 2

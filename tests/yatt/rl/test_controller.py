@@ -7,6 +7,7 @@ versions across a weight update between turns, the rows built."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer
 
 from protocols.messages import MicroBatch, MicroBatchRequest, ScoredGroup
 from workers.engines.base import PromptRequest, Sample
+from workers.env import EnvWorker
 from workers.generator import Generator
 from workers.reward.worker import Reward
 from yatt.errors import ActorFailed
@@ -96,12 +98,13 @@ def calculator_script(text: str, seed: int | None) -> str:
 
 async def run_group(
     transport: Transport, tmp_path: Path, model_dir: Path, env: EnvConfig, script: Any, *, group_size: int = 2,
-    first: Any = None,
+    first: Any = None, hosted: bool = False,
 ) -> tuple[ScoredGroup, MicroBatch, Any, ScriptedEngine]:
     """One group through the controller: the buffer's accepted group and the micro-batch it
     serves rank 0 of a 1-rank trainer. ``first``: the script of a first controller, which
     dies when it raises (its requests fail every try); a second one then follows ``script``
-    (the engine's calls are those of the second)."""
+    (the engine's calls are those of the second). ``hosted``: the environments in a real
+    env worker (the env role), not in the controller."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = ScriptedEngine(tokenizer, first or script)
@@ -122,8 +125,14 @@ async def run_group(
             Registration(transport, registry.endpoint, reward.info()),
             Registration(transport, registry.endpoint, buffer.info()),
             Directory(transport, registry.endpoint) as directory,
+            contextlib.AsyncExitStack() as stack,
         ):
-            await directory.wait_until(lambda d: all(d.members(r) for r in ("generator", "reward", "buffer")), timeout=30)
+            roles = ["generator", "reward", "buffer"]
+            if hosted:
+                worker = await stack.enter_async_context(EnvWorker(transport, endpoint=LOCAL, config=env))
+                await stack.enter_async_context(Registration(transport, registry.endpoint, worker.info()))
+                roles.append("env")
+            await directory.wait_until(lambda d: all(d.members(r) for r in roles), timeout=30)
             runner = EpisodeRunner(
                 env, Renderer(tokenizer, protocol="raw"), decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
                 eos_ids={tokenizer.eos_token_id}, max_new_tokens=32, context=512,
@@ -132,7 +141,7 @@ async def run_group(
                 return Controller(
                     ControllerConfig(num_controllers=1, plan_wait_s=0.2, max_attempts=2), buffer_config_algorithm(),
                     shard=0, group_size=group_size, prompts=prompts, directory=directory, seed=0,
-                    episodes=(runner, env_factory(env)),
+                    episodes=(runner, None if hosted else env_factory(env)),
                 )  # fmt: skip
 
             if first is not None:
@@ -162,10 +171,13 @@ def calculator_env() -> EnvConfig:
     return EnvConfig(tools=["yatt.rl.agents.tools:calculator"], max_turns=4)
 
 
+@pytest.mark.parametrize("hosted", [False, True], ids=["inline", "env role"])
 async def test_a_tool_episode_trains_the_policys_tokens_only(
-    transport: Transport, tmp_path: Path, tiny_model_dir: Path, calculator_env: EnvConfig
+    transport: Transport, tmp_path: Path, tiny_model_dir: Path, calculator_env: EnvConfig, hosted: bool
 ) -> None:
-    group, mb, tokenizer, engine = await run_group(transport, tmp_path, tiny_model_dir, calculator_env, calculator_script)
+    group, mb, tokenizer, engine = await run_group(
+        transport, tmp_path, tiny_model_dir, calculator_env, calculator_script, hosted=hosted
+    )
     call_ids = tokenizer.encode(CALL, add_special_tokens=False)
     result_ids = tokenizer.encode("<result>21</result>", add_special_tokens=False)
     answer_ids = [*tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]

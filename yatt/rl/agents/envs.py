@@ -47,6 +47,11 @@ ENV_CLASS = (
 )
 
 
+class EnvFailed(Exception):
+    """An environment hosted by the env role failed: it raised, its process died or hung.
+    The message names the environment (or tool) and why; its episode ends as env_error."""
+
+
 async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """A user's ``reset``/``step``: awaited when ``async def``, else run in a worker thread
     (a slow synchronous environment does not stall the controller's other episodes, and

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.messages import Completion, EpisodeInfo
-from yatt.rl.agents.envs import Observation, call, messages_of
+from yatt.rl.agents.envs import EnvFailed, Observation, call, messages_of
 from yatt.rl.agents.render import Renderer
 from yatt.rl.config import EnvConfig
 
@@ -162,6 +162,8 @@ class EpisodeRunner:
                     obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
                     if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
                         ended, obs_ids = "budget", []
+            except EnvFailed as e:  # (hosted by the env role: the message names the environment)
+                ended, detail, reward, obs_ids = "env_error", str(e), None, []
             except TimeoutError:
                 ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
             except Exception as e:  # a user's environment may raise or answer anything: the episode ends, the run goes on

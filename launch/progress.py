@@ -46,6 +46,7 @@ class Progress:
             self._bar.set_postfix(
                 reward=f"{m.get('reward/mean', float('nan')):.3f}",
                 samples_s=f"{m.get('samples_per_s', 0):.1f}",
+                filtered=f"{m.get('groups/filtered_share', 0):.2f}",
                 stale=f"{m.get('staleness/mean', 0):.2f}",
                 refresh=False,
             )

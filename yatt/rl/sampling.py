@@ -135,7 +135,8 @@ def step_report(consumed: list[tuple[ScoredGroup, bool]], *, rollouts: int) -> t
     reward/mean, reward/std over samples (the weighted mix, after any overlong penalty);
     reward/<scorer>/mean and /std (raw scores); reward/failed_share (samples where a
     scorer failed); response_length/mean, /max and /clip_ratio (stopped by max_new_tokens),
-    as verl names them; groups and groups/trained."""
+    as verl names them; groups, groups/trained and groups/filtered_share (generated, then
+    thrown away by the filter or dropped: the share of the step's generation spent for nothing)."""
     if not consumed:
         return {"reward/mean": float("nan"), "groups": 0.0, "groups/trained": 0.0}, []
     groups = [g for g, _ in consumed]
@@ -151,6 +152,7 @@ def step_report(consumed: list[tuple[ScoredGroup, bool]], *, rollouts: int) -> t
         "response_length/clip_ratio": sum(r == "length" for r in reasons) / len(reasons),
         "groups": float(len(groups)),
         "groups/trained": float(sum(trained for _, trained in consumed)),
+        "groups/filtered_share": sum(not trained for _, trained in consumed) / len(groups),
     }
     for name in sorted({name for g in groups for name in g.scores}):
         scores = torch.cat([g.scores[name].float() for g in groups if name in g.scores])

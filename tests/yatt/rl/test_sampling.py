@@ -556,7 +556,7 @@ def test_step_report_by_hand() -> None:
     assert values == pytest.approx({
         "reward/mean": 0.75, "reward/std": 0.1875**0.5, "reward/failed_share": 0.25,
         "response_length/mean": 2.5, "response_length/max": 4.0, "response_length/clip_ratio": 0.25,
-        "groups": 2.0, "groups/trained": 1.0,
+        "groups": 2.0, "groups/trained": 1.0, "groups/filtered_share": 0.5,
         "reward/digits/mean": 0.875, "reward/digits/std": 0.046875**0.5,
     })
     assert sample == [trained]

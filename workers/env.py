@@ -298,9 +298,11 @@ class EnvWorker(Actor):
     @handles(Query)
     async def query(self, msg: Query) -> Message:
         if msg.what == "stats":
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)  # (every episode process, once reaped)
             return Metrics(
                 values={"env/episodes": float(len(self.episodes)), "env/started": float(self.started),
-                        "env/failed": float(self.failed), "env/killed": float(self.killed)}
+                        "env/failed": float(self.failed), "env/killed": float(self.killed),
+                        "env/cpu_s": children.ru_utime + children.ru_stime}
             )  # fmt: skip
         raise ValueError(f"env: unknown query {msg.what!r}; known: stats")
 

@@ -68,8 +68,9 @@ if TYPE_CHECKING:
 RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
 """The layouts a run switches between (``placement.adaptive_layouts``); a partial run moves
 slots within its layout."""
-BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s"}
-"""The cumulative busy seconds each pool's workers report in their stats."""
+BUSY_KEYS = {"generator": "generator/generate_s", "reward": "reward/busy_s", "env": "env/cpu_s"}
+"""The cumulative busy seconds each pool's workers report in their stats (the env role's: its
+episode processes' CPU seconds)."""
 
 
 def splits_over(config: BufferConfig, world_size: int) -> bool:
@@ -104,10 +105,10 @@ class Adapter:
         self.busy_workers = {role: 0 for role in BUSY_KEYS}
         """Workers of each pool busy in the last measured step."""
 
-    async def busy(self, directory: Directory, role: str, timeout: float) -> tuple[float | None, int]:
+    async def busy(self, directory: Directory, role: str, timeout: float, *, summed: bool = False) -> tuple[float | None, int]:
         """The pool's busy seconds since the last call: the mean over its live workers of
-        each one's growth (a worker seen for the first time counts from its start; None when
-        no worker answered), and how many of them were busy."""
+        each one's growth (``summed``: the sum; a worker seen for the first time counts from
+        its start; None when no worker answered), and how many of them were busy."""
         grown = []
         for member in directory.members(role):
             try:
@@ -119,13 +120,14 @@ class Adapter:
                 continue
             grown.append(max(0.0, total - self._busy.get(member.actor_id, 0.0)))
             self._busy[member.actor_id] = total
-        return (sum(grown) / len(grown) if grown else None), sum(g > 0 for g in grown)
+        return (sum(grown) / (1 if summed else len(grown)) if grown else None), sum(g > 0 for g in grown)
 
     async def measure(self, directory: Directory, line: dict[str, float]) -> StepTimes | None:
         """One step's ``StepTimes`` from its metrics line and the pools' busy time."""
         timeout = self.cfg.transport.request_timeout_s
         generate, self.busy_workers["generator"] = await self.busy(directory, "generator", timeout)
         reward, self.busy_workers["reward"] = await self.busy(directory, "reward", timeout)
+        env, self.busy_workers["env"] = await self.busy(directory, "env", timeout, summed=True)
         if generate is None or "time/train_s" not in line:
             return None
         mean = line.get("response_length/mean") or line.get("tokens_per_s", 0.0) / max(line.get("samples_per_s", 0.0), 1e-9)
@@ -134,7 +136,7 @@ class Adapter:
             generate_s=generate, tail_s=0.0, reward_s=reward or 0.0, train_s=line["time/train_s"],
             weight_sync_s=line.get("time/weight_sync_s", 0.0), switch_s=line.get("time/switch_s", 0.0),
             completion_mean=max(1.0, mean), completion_p90=max(1.0, line.get("response_length/max", mean)),
-            acceptance=min(1.0, acceptance) if 0 < acceptance and math.isfinite(acceptance) else 1.0,
+            acceptance=min(1.0, acceptance) if 0 < acceptance and math.isfinite(acceptance) else 1.0, env_s=env or 0.0,
         )  # fmt: skip
 
     def settle(self, step: int) -> None:
@@ -165,7 +167,7 @@ class Adapter:
 
     def _write(self, record: dict[str, Any], times: StepTimes) -> None:
         record["measured/generate_s"], record["measured/reward_s"] = times.generate_s, times.reward_s
-        record["measured/train_s"] = times.train_s
+        record["measured/train_s"], record["measured/env_cpu_s"] = times.train_s, times.env_s
         record.update({f"measured/{role}_busy_workers": n for role, n in self.busy_workers.items()})
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from protocols.messages import EnvCall, EnvReply
+from protocols.messages import EnvCall, EnvReply, Metrics, Query
 from workers.env import EnvWorker
 from yatt.errors import RemoteError
 from yatt.rl.agents.envs import EnvFailed
@@ -79,6 +79,9 @@ async def test_an_environment_that_misbehaves_ends_its_episode_with_the_reason_a
         assert "bad" not in worker.episodes  # its process is gone
         ok = await call(client, "good", "step", turn=0, action="go")  # the other episode, and the worker, go on
         assert ok.messages[0]["content"] == "step 1 of seed 0: go"
+        if action == "spin":  # the CPU its episode processes burnt is the env role's cost (the planner's env_s)
+            stats = await client.request(Query(what="stats"), Metrics, timeout=30)
+            assert stats.values["env/cpu_s"] >= 0.9 and stats.values["env/failed"] == 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux's")

@@ -82,6 +82,8 @@ class StepTimes:
     completion_p90: float
     acceptance: float
     """Share of generated groups dynamic sampling kept this step."""
+    env_s: float = 0.0
+    """CPU seconds the env role's episode processes used this step (all its workers)."""
 
 
 def roles_of_plan(plan: Plan) -> Roles:
@@ -143,6 +145,8 @@ def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, pla
     if times.reward_s > 0 and samples > 0:
         workers = speedup(slots["reward"], base.gen_scaling) if slots["reward"] else len(plan.of("reward"))
         costs = replace(costs, reward_s=times.reward_s * workers / samples)
+    if times.env_s > 0 and samples > 0:
+        costs = replace(costs, env_s=times.env_s / samples)
     if train_tokens > 0 and times.train_s > base.train_fixed_s:
         per_token = (times.train_s - base.train_fixed_s) * speedup(max(1, slots["train"]), base.train_scaling) / train_tokens
         costs = replace(costs, train_token_s=per_token)

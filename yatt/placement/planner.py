@@ -22,6 +22,11 @@ generators, the reward engines and the trainer ranks)::
     tail   = (L_p90 - L_mean) * gen_latency_s                the longest samples decode alone
     W      = S * reward_s / k(n_r, gen_scaling)              reward engines (model or judge)
            = S * reward_s / reward processes                 rule scorers (unpinned, overlap G)
+    E      = S * env_s / cores                               environments in the env role's processes
+                                                              (CPU seconds spread over the machine's cores):
+                                                              added to the step on a CPU machine (they take
+                                                              the cores the compute roles use), overlapped on
+                                                              a GPU machine (its host cores): step = max(step, E)
     T      = train_fixed_s + N_train * train_token_s / k(n_t, train_scaling)
 
     colocated      max(G + tail (+ W of engines, which share the slots), W of rule scorers)
@@ -104,6 +109,9 @@ class StageCosts:
     """Share of generated groups dynamic sampling keeps (1 / acceptance samples per accepted one)."""
     reward_s: float = 0.0
     """Seconds per sample of one reward worker (a reward engine's slot, or one rule-scoring process)."""
+    env_s: float = 0.0
+    """CPU seconds per sample of its episode's environment in the env role (every turn's step;
+    0 without episodes, or with ``env.inline``); measured at run time (``env/cpu_s``)."""
     train_token_s: float
     """Slot-seconds per trained token: forward, backward and the optimizer's share."""
     train_fixed_s: float = 0.0
@@ -301,11 +309,13 @@ def predict(plan: Plan, cluster: ClusterSpec, sizes: ModelSizes, costs: StageCos
         for s in train_slots:
             busy[s] = train
 
+    env = samples * costs.env_s / _cores_of(cluster) if plan.of("env") else 0.0
+    step = step + env if cluster.slots[0].kind == "cpu" else max(step, env)
     return Prediction(
         step_s=step,
         idle_share={s: max(0.0, 1.0 - b / step) if step > 0 else 0.0 for s, b in busy.items()},
         stages={"generate": gen, "tail": tail, "reward": max(engine_reward, rule_reward), "train": train,
-                "weight_sync": sync, "switch": switch},
+                "weight_sync": sync, "switch": switch, "env": env},
         memory_bytes={s: int(sum(parts.values())) for s, parts in _memory(plan, cluster, sizes, workload, costs).items()},
     )
 
@@ -479,3 +489,8 @@ def choose(
             "model, or fewer tokens in flight (controller.max_new_tokens, buffer.groups_per_step)"
         )
     return finish(pick)
+
+
+def _cores_of(cluster: ClusterSpec) -> int:
+    """The machine's cores the env role's processes spread over (at least 1)."""
+    return max(1, len({c for s in cluster.slots for c in s.cores}))

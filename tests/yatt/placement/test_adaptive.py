@@ -87,6 +87,17 @@ def test_costs_from_times_predict_the_measured_step(layout: Layout) -> None:
         assert costs.switch_s == COSTS.switch_s
 
 
+def test_the_env_roles_measured_cpu_time_calibrates_its_cost_per_sample() -> None:
+    cluster = gpus(8)
+    roles = replace(split(3, 5), envs=2)
+    plan = assign("disaggregated", cluster, roles)
+    costs = costs_from_times(replace(times(2.0, 3.0), env_s=8.0), COSTS, WORK, plan)
+    samples = WORK.groups_per_step * WORK.group_size / times(2.0, 3.0).acceptance
+    assert costs.env_s == pytest.approx(8.0 / samples)
+    cores = len({c for s in cluster.slots for c in s.cores})
+    assert predict(plan, cluster, SIZES, costs, WORK).stages["env"] == pytest.approx(8.0 / cores)
+
+
 def test_slot_moves_keep_every_slot_in_a_pool() -> None:
     roles = split(4, 8, rewards=2, engines=True)
     moves = slot_moves("disaggregated", roles)

@@ -73,9 +73,25 @@ def test_colocated_is_the_sum_of_its_phases() -> None:
     # G = 160 * 0.01 / 2 slots = 0.8; tail = 5 * 0.02 = 0.1; T = 0.1 + 160 * 0.001 / 2 = 0.18
     assert p.step_s == pytest.approx(0.8 + 0.1 + 0.2 + 0.18)
     assert p.stages == pytest.approx(
-        {"generate": 0.8, "tail": 0.1, "reward": 0.0, "train": 0.18, "weight_sync": 0.0, "switch": 0.2}
+        {"generate": 0.8, "tail": 0.1, "reward": 0.0, "train": 0.18, "weight_sync": 0.0, "switch": 0.2, "env": 0.0}
     )
     assert p.idle_share == pytest.approx({0: 1 - 0.98 / 1.28, 1: 1 - 0.98 / 1.28})
+
+
+def test_environments_in_the_env_role_take_cpu_time_from_a_cpu_machine_and_overlap_on_a_gpu_one() -> None:
+    """E = S * env_s / cores: 16 samples x 0.25 CPU s over 2 cores = 2 s, added on CPU (the
+    episode processes share the cores the compute roles use), max() on GPU (host cores)."""
+    costs, roles = replace(COSTS, env_s=0.25), replace(ROLES, envs=1)
+    cluster = cpu_cluster([0, 1], 8 * int(GIB))
+    without = predict(assign("colocated", cluster, ROLES), cluster, SMALL, costs, WORK)
+    plan = assign("colocated", cluster, roles)
+    with_env = predict(plan, cluster, SMALL, costs, WORK)
+    assert with_env.stages["env"] == pytest.approx(2.0) and with_env.step_s == pytest.approx(without.step_s + 2.0)
+    assert predict(plan, cluster, SMALL, COSTS, WORK).step_s == pytest.approx(without.step_s)  # not measured yet: 0
+    big = gpus(2)  # 4 host cores: E = 1 s
+    on_gpu = predict(assign("colocated", big, roles), big, SMALL, costs, WORK)
+    alone = predict(assign("colocated", big, ROLES), big, SMALL, costs, WORK)
+    assert on_gpu.stages["env"] == pytest.approx(1.0) and on_gpu.step_s == pytest.approx(max(alone.step_s, 1.0))
 
 
 def test_partial_generates_on_a_subset_then_trains_on_all() -> None:

@@ -52,6 +52,7 @@ from protocols.messages import (
     GroupKey,
     SamplingParams,
 )
+from yatt.errors import ConfigError
 from yatt.rl.agents.episodes import EpisodeRunner, Turn
 from yatt.rl.agents.games import GuessNumber
 from yatt.rl.config import BufferConfig, EnvConfig, GeneratorConfig
@@ -75,6 +76,12 @@ class Options:
     """Longest step (the tail is clipped here)."""
     repeats: int = 3
     """Runs of each mode, interleaved."""
+
+    def __post_init__(self) -> None:
+        if self.episodes < 2:  # TRL's GRPO wants a group of 2 or more rollouts
+            raise ConfigError(f"agents.episodes must be >= 2 (got {self.episodes})")
+        if self.max_turns < 1:
+            raise ConfigError(f"agents.max_turns must be >= 1 (got {self.max_turns})")
 
 
 QUICK = {"episodes": 8, "max_turns": 2, "max_new_tokens": 4, "latency_ms": 20.0, "min_ms": 5.0, "max_ms": 60.0, "repeats": 1}
@@ -176,6 +183,7 @@ async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator
 async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, list[dict[str, float]]]:
     from transformers import AutoTokenizer
 
+    from benchmarks.trl_agents import TrlEpisodes
     from workers.engines import make_engine
     from workers.generator import Generator
     from yatt.rl.agents.render import Renderer
@@ -189,18 +197,32 @@ async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, li
         eos_ids={tokenizer.eos_token_id}, max_new_tokens=opts.max_new_tokens, context=512,
     )  # fmt: skip
     engine = await asyncio.to_thread(make_engine, str(model_dir), GeneratorConfig())
-    runs: dict[str, list[dict[str, float]]] = {"yatt": [], "lockstep": [], "record": []}
+    trl = await asyncio.to_thread(  # TRL's start-up, before anything is timed
+        TrlEpisodes, model_dir, scratch, episodes=opts.episodes, max_turns=opts.max_turns,
+        max_new_tokens=opts.max_new_tokens, latencies=lambda i: latencies(opts, i), steps=1 + opts.repeats,
+    )  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = {"yatt": [], "lockstep": [], "record": [], "trl": []}
     buffer_config = BufferConfig(groups_per_step=1, group_size=1, filter="none")
-    async with (
-        Transport(TransportConfig(hwm=0)) as transport,
-        Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=GeneratorConfig()) as generator,
-        Buffer(transport, endpoint="tcp://127.0.0.1:*", config=buffer_config, num_prompts=opts.episodes, num_shards=1,
-               world_size=1, seed=0, ledger_path=scratch / "ledger.db") as buffer,
-    ):  # fmt: skip
-        await one_mode("yatt", opts, runner=runner, generator=generator, buffer=buffer, transport=transport)  # warm-up
-        for _ in range(opts.repeats):
-            for mode in runs:  # interleaved: a drift of the machine hits every mode alike
-                runs[mode].append(await one_mode(mode, opts, runner=runner, generator=generator, buffer=buffer, transport=transport))
+    try:
+        async with (
+            Transport(TransportConfig(hwm=0)) as transport,
+            Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=GeneratorConfig()) as generator,
+            Buffer(transport, endpoint="tcp://127.0.0.1:*", config=buffer_config, num_prompts=opts.episodes, num_shards=1,
+                   world_size=1, seed=0, ledger_path=scratch / "ledger.db") as buffer,
+        ):  # fmt: skip
+
+            async def once(mode: str) -> dict[str, float]:
+                if mode == "trl":
+                    return await asyncio.to_thread(trl.batch)
+                return await one_mode(mode, opts, runner=runner, generator=generator, buffer=buffer, transport=transport)
+
+            await once("yatt")  # warm-up
+            await once("trl")  # warm-up
+            for _ in range(opts.repeats):
+                for mode in runs:  # interleaved: a drift of the machine hits every mode alike
+                    runs[mode].append(await once(mode))
+    finally:
+        await asyncio.to_thread(trl.close)
     return runs
 
 
@@ -222,7 +244,9 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     result.figures["record_s_per_turn"] = per_record
     added = statistics.median((r["wall_s"] - y["wall_s"]) / r["turns"] * opts.episodes for r, y in zip(records, runs["yatt"], strict=True))
     result.figures["record_added_s_per_turn"] = added
+    result.figures["trl_step_s"] = statistics.median(r["step_s"] for r in runs["trl"])
     result.ratios["yatt_vs_lockstep"] = result.figures["yatt_episodes_per_s"] / result.figures["lockstep_episodes_per_s"]
+    result.ratios["yatt_vs_trl"] = result.figures["yatt_episodes_per_s"] / result.figures["trl_episodes_per_s"]
     result.ratios["record_cost_share"] = max(per_record, 1e-9) / result.figures["yatt_turn_s"]
     result.notes.append(
         f"{opts.episodes} episodes x {opts.max_turns} turns, {opts.max_new_tokens} new tokens a turn, step latency lognormal "
@@ -232,5 +256,10 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
         "record_cost_share: one TurnRecord's round trip to the buffer (its ledger commit) over the time an episode's turn "
         "takes (wall x episodes / turns); record_added_s_per_turn: what recording added to that turn time, measured"
     )
-    result.notes.append("TRL's GRPOTrainer is not run: its tool loop needs a chat template with a tool-call format, which no model here has")
+    result.notes.append(
+        "trl: TRL's GRPOTrainer (environment_factory, its own loop and HF generate), episodes/s from its rollout "
+        "(_generate: generation and environment steps; scoring and training excluded, start-up and a warm-up batch "
+        f"before timing); {opts.max_turns} turns but {opts.max_turns - 1} steps an episode (its loop does not step after "
+        "the last turn); each turn's steps run one episode after another; trl_step_s: its whole optimizer step"
+    )
     return result

@@ -204,6 +204,7 @@ class TurnRecord(Message):
     tool_errors: int
     ended: str = ""  # how the episode ended at this turn; "": it goes on
     detail: str = ""  # the error that ended it, one line
+    env_state: bytes = b""  # the environment's snapshot() after this turn's step (b"": none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,11 +235,12 @@ class EnvCall(Message):
     KIND: ClassVar[bytes] = b"env.call"
 
     episode: str  # the episode's id, unique per attempt of it
-    method: str  # "reset" | "step" | "close"
+    method: str  # "reset" | "step" | "snapshot" | "restore" | "close"
     turn: int = -1  # step: 0-based; the same turn again is answered again, not stepped twice
     seed: int = 0  # reset
     row_json: str = ""  # reset: the data row's fields, JSON
     action: str = ""  # step: the policy's turn as text
+    state: bytes = b""  # restore: what the environment's snapshot() gave
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +256,8 @@ class EnvReply(Message):
     truncated: bool = False
     tool_errors: int = 0  # step: info["tool_errors"]
     tools_json: str = ""  # reset: info["tools"] (OpenAI function schemas), JSON; "": none
+    snapshots: bool = False  # reset: the environment has snapshot() and restore()
+    state: bytes = b""  # snapshot: the environment's state
 
 
 @dataclass(frozen=True, kw_only=True)

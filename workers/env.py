@@ -9,7 +9,8 @@ Each episode's environment lives in a process of its own, forked from the worker
 imported the environment's module once: a few ms a fork), under ``env.cpu_limit_s`` CPU
 seconds (RLIMIT_CPU), ``env.memory_limit_mb`` more address space than it started with
 (RLIMIT_AS) and, unless ``env.network``, a network namespace of its own (no route out;
-where the OS refuses one, the worker says so once in its log). A call that raises, an
+where the OS refuses one, the worker says so once in its log). An environment with
+``snapshot()`` and ``restore(state)`` is saved and restored by the same calls. A call that raises, an
 environment process that dies (its CPU limit, a crash) or a call past
 ``env.episode_timeout_s`` ends that episode: the reply is an ``EnvFailed`` naming the
 environment and why, the controller ends the episode as env_error, and the worker goes on
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.messages import EnvCall, EnvReply, Message, Metrics, Query
-from yatt.rl.agents.envs import EnvFactory, EnvFailed, call, env_factory, messages_of
+from yatt.rl.agents.envs import EnvFactory, EnvFailed, call, env_factory, messages_of, supports_snapshots
 from yatt.rl.config import EnvConfig
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.lifetime import die_with_parent
@@ -129,7 +130,7 @@ async def _answer(env: Any, method: str, args: dict[str, Any]) -> dict[str, Any]
     if method == "reset":
         obs, info = await call(env.reset, seed=args["seed"], options={"row": args["row"]})
         tools = info.get("tools") if isinstance(info, dict) else None
-        return {"messages": _messages(obs), "tools_json": json.dumps(tools) if tools else ""}
+        return {"messages": _messages(obs), "tools_json": json.dumps(tools) if tools else "", "snapshots": supports_snapshots(env)}
     if method == "step":
         obs, reward, terminated, truncated, info = await call(env.step, args["action"])
         return {
@@ -137,6 +138,14 @@ async def _answer(env: Any, method: str, args: dict[str, Any]) -> dict[str, Any]
             "terminated": bool(terminated), "truncated": bool(truncated),
             "tool_errors": int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0,
         }  # fmt: skip
+    if method == "snapshot":
+        state = await call(env.snapshot)
+        if not isinstance(state, bytes):
+            raise TypeError(f"snapshot() must return bytes (got {type(state).__name__})")
+        return {"state": state}
+    if method == "restore":
+        await call(env.restore, args["state"])
+        return {}
     close = getattr(env, "close", None)
     if callable(close):
         await call(close)
@@ -208,7 +217,7 @@ class EnvWorker(Actor):
             if msg.method == "close":
                 await self._close(msg.episode, graceful=True)
                 return EnvReply(episode=msg.episode)
-            args = {"seed": msg.seed, "row": json.loads(msg.row_json or "{}")} if msg.method == "reset" else {"action": msg.action}
+            args = {"seed": msg.seed, "row": json.loads(msg.row_json or "{}"), "action": msg.action, "state": msg.state}
             try:
                 answer = await self._ask(held, msg.method, args)
             except EnvFailed:
@@ -218,6 +227,8 @@ class EnvWorker(Actor):
             reply = EnvReply(episode=msg.episode, **answer)
             if msg.method == "step":
                 held.turn, held.last = msg.turn, reply
+            elif msg.method == "restore":  # its state covers the episode up to turn msg.turn
+                held.turn, held.last = msg.turn, None
             return reply
 
     async def _start(self) -> _Episode:

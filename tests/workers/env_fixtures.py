@@ -42,3 +42,14 @@ class Counter:
         self.steps += 1
         done = self.steps >= self.turns
         return f"step {self.steps} of seed {self.seed}: {action}", float(self.steps) if done else None, done, False, {}
+
+
+class SavedCounter(Counter):
+    """A Counter with ``snapshot()``/``restore(state)``: its step count saved as text."""
+
+    def snapshot(self) -> bytes:
+        return f"{self.seed} {self.steps}".encode()
+
+    def restore(self, state: bytes) -> None:
+        seed, steps = state.decode().split()
+        self.seed, self.steps = int(seed), int(steps)

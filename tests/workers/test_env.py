@@ -167,3 +167,38 @@ async def test_a_call_while_no_env_worker_lives_waits_for_one(transport: Transpo
             obs, _ = await asyncio.wait_for(reset, 30)
             assert obs[0]["content"].startswith("seed 2")
             await env.close()
+
+
+async def test_a_remote_env_with_snapshots_is_rebuilt_from_its_last_snapshot(transport: Transport) -> None:
+    """Snapshot after turn 2, step turn 3, lose the worker: the other one resets, restores
+    the snapshot and steps only turn 3 again (a replay from the reset would answer 'step 1'
+    to it and fail the check), then turn 4 goes on from there."""
+    config = EnvConfig(class_="tests.workers.env_fixtures:SavedCounter", kwargs={"turns": 5})
+    async with (
+        Registry(transport, endpoint=LOCAL, publish_endpoint=LOCAL) as registry,
+        EnvWorker(transport, endpoint=LOCAL, config=config) as one,
+        EnvWorker(transport, endpoint=LOCAL, config=config) as two,
+        Directory(transport, registry.endpoint) as directory,
+    ):
+        registrations = {w.endpoint: Registration(transport, registry.endpoint, w.info()) for w in (one, two)}
+        for r in registrations.values():
+            await r.start()
+        await directory.wait_until(lambda d: len(d.members("env")) == 2, timeout=30)
+        env = RemoteEnv(directory, name="g/3", timeout_s=10.0, wait_s=30.0)
+        await env.reset(seed=3)
+        assert env.supports_snapshots
+        await env.step("a")
+        await env.step("b")
+        assert await env.snapshot() == b"3 2" and env.steps == []
+        await env.step("c")
+        holder = one if env.at == one.endpoint else two
+        await registrations[holder.endpoint].close()
+        await holder.close()
+        obs, *_ = await env.step("d")
+        assert obs == [{"role": "user", "content": "step 4 of seed 3: d"}] and env.rebuilt == 1
+        fresh = RemoteEnv(directory, name="g/4", timeout_s=10.0, wait_s=30.0)
+        await fresh.reset(seed=9)
+        await fresh.restore(b"3 4")  # a resumed episode: restored, not stepped
+        assert (await fresh.step("e"))[0] == [{"role": "user", "content": "step 5 of seed 3: e"}]
+        for r in registrations.values():
+            await r.close()

@@ -201,7 +201,7 @@ def turn_record(key: GroupKey, sample: int, turn: Turn) -> TurnRecord:
         logprobs=torch.tensor(turn.logprobs, dtype=torch.float32), policy_version=turn.version,
         finish_reason=turn.finish_reason, obs_ids=torch.tensor(turn.obs_ids, dtype=torch.int32),
         reward=float("nan") if turn.reward is None else turn.reward, tool_errors=turn.tool_errors, ended=turn.ended,
-        detail=turn.detail,
+        detail=turn.detail, env_state=turn.env_state,
     )  # fmt: skip
 
 
@@ -210,7 +210,7 @@ def turn_of(record: TurnRecord) -> Turn:
         index=record.turn, token_ids=record.token_ids.tolist(), logprobs=record.logprobs.tolist(),
         version=record.policy_version, finish_reason=record.finish_reason, obs_ids=record.obs_ids.tolist(),
         reward=None if math.isnan(record.reward) else record.reward, tool_errors=record.tool_errors,
-        ended=record.ended, detail=record.detail,
+        ended=record.ended, detail=record.detail, env_state=record.env_state,
     )  # fmt: skip
 
 

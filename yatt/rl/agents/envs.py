@@ -62,6 +62,18 @@ async def call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+def supports_snapshots(env: Any) -> bool:
+    """Whether an environment can be saved after a step and restored in a new instance
+    (``snapshot() -> bytes`` and ``restore(state)``, both optional): a resumed episode is
+    then restored from its last recorded turn's state instead of stepped again through its
+    recorded actions. ``supports_snapshots``, where set, says it (an environment hosted in
+    the env role)."""
+    said = getattr(env, "supports_snapshots", None)
+    if isinstance(said, bool):
+        return said
+    return callable(getattr(env, "snapshot", None)) and callable(getattr(env, "restore", None))
+
+
 def messages_of(obs: Observation, *, role: str = "user") -> list[Message]:
     """An observation as chat messages (text: one message of ``role``)."""
     if obs is None:

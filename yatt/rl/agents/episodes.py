@@ -10,7 +10,9 @@
 Every finished turn can be recorded (``record``: the controller puts it in the buffer's
 ledger before the episode goes on); an episode given its recorded turns (``recorded``)
 replays them without generating (the environment reset with the same seed and stepped with
-the recorded actions, to rebuild its state) and generates only from the turn after them.
+the recorded actions, to rebuild its state; or, for an environment with ``snapshot()`` and
+``restore(state)``, restored from the state its last recorded turn saved, with no step)
+and generates only from the turn after them.
 An environment that does not answer the replay as recorded (not deterministic in its seed
 and actions) raises ``Diverged``: the caller runs the episode again from its start.
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.messages import Completion, EpisodeInfo
-from yatt.rl.agents.envs import EnvFailed, Observation, call, messages_of
+from yatt.rl.agents.envs import EnvFailed, Observation, call, messages_of, supports_snapshots
 from yatt.rl.agents.render import Renderer
 from yatt.rl.config import EnvConfig
 
@@ -56,6 +58,7 @@ class Turn:
     tool_errors: int
     ended: str = ""  # how the episode ended at it; "": it goes on
     detail: str = ""
+    env_state: bytes = b""  # the environment's snapshot() after its step (b"": none taken)
 
 
 Record = Callable[[Turn], Awaitable[None]]
@@ -128,6 +131,8 @@ class EpisodeRunner:
         each new one passed to ``record`` once finished, before the next is generated."""
         out, rewards, errors, env_time = Trajectory(), [], 0, 0.0
         replay = list(recorded or [])
+        snapshots = supports_snapshots(env)
+        restoring = snapshots and bool(replay) and bool(replay[-1].env_state)  # (else: stepped again)
         ended = ""
         while not ended:
             index = out.info.turns
@@ -148,42 +153,61 @@ class EpisodeRunner:
             out.add(ids, logprobs=logprobs, version=version)
             out.finish_reason = finish
             out.info = dataclasses.replace(out.info, turns=index + 1)
-            began = time.monotonic()
+            began, state = time.monotonic(), b""
             reward, obs_ids, detail, turn_errors = None, [], "", 0
-            try:
-                obs, reward, terminated, truncated, info = await asyncio.wait_for(
-                    call(env.step, self.decode(ids)), timeout=max(self.config.episode_timeout_s - env_time, 1e-3)
+            if restoring and index < len(replay):  # its outcome as recorded; the last one's state restored
+                kept = replay[index]
+                reward, obs_ids, detail, turn_errors, ended, state = (
+                    kept.reward, kept.obs_ids, kept.detail, kept.tool_errors, kept.ended, kept.env_state
                 )
-                reward = None if reward is None else float(reward)
-                turn_errors = int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0
-                if terminated or truncated:
-                    ended = "done" if terminated else "truncated"
-                elif index + 1 < self.config.max_turns:  # (no observation after the last turn: nothing reads it)
-                    obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
-                    if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
-                        ended, obs_ids = "budget", []
-            except EnvFailed as e:  # (hosted by the env role: the message names the environment)
-                ended, detail, reward, obs_ids = "env_error", str(e), None, []
-            except TimeoutError:
-                ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
-            except Exception as e:  # a user's environment may raise or answer anything: the episode ends, the run goes on
-                ended, detail, reward, obs_ids = "env_error", f"{type(env).__name__}.step: {type(e).__name__}: {e}", None, []
-            finally:
-                env_time += time.monotonic() - began
+                if index == len(replay) - 1 and not ended:
+                    await self._restore(env, state)
+            else:
+                try:
+                    obs, reward, terminated, truncated, info = await asyncio.wait_for(
+                        call(env.step, self.decode(ids)), timeout=max(self.config.episode_timeout_s - env_time, 1e-3)
+                    )
+                    reward = None if reward is None else float(reward)
+                    turn_errors = int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0
+                    if terminated or truncated:
+                        ended = "done" if terminated else "truncated"
+                    elif index + 1 < self.config.max_turns:  # (no observation after the last turn: nothing reads it)
+                        obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
+                        if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
+                            ended, obs_ids = "budget", []
+                    if snapshots and not ended:
+                        state = await _snapshot(env)
+                except EnvFailed as e:  # (hosted by the env role: the message names the environment)
+                    ended, detail, reward, obs_ids = "env_error", str(e), None, []
+                except TimeoutError:
+                    ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
+                except Exception as e:  # a user's environment may raise or answer anything: the episode ends, the run goes on
+                    ended, detail, reward, obs_ids = "env_error", f"{type(env).__name__}.step: {type(e).__name__}: {e}", None, []
+                finally:
+                    env_time += time.monotonic() - began
             rewards.append(float("nan") if reward is None else float(reward))
             errors += turn_errors
             done = Turn(
                 index=index, token_ids=ids, logprobs=logprobs, version=version, finish_reason=finish, obs_ids=obs_ids,
-                reward=reward, tool_errors=turn_errors, ended=ended, detail=detail,
+                reward=reward, tool_errors=turn_errors, ended=ended, detail=detail, env_state=state,
             )  # fmt: skip
             if index < len(replay):
-                _check_replay(replay[index], done)
+                if not restoring:
+                    _check_replay(replay[index], done)
             elif record is not None:
                 await record(done)
             out.add(obs_ids)
             out.info = EpisodeInfo(ended=ended or "max_turns", turns=index + 1, turn_rewards=rewards, tool_errors=errors, detail=detail)
         out.info = dataclasses.replace(out.info, ended=ended)
         return out
+
+    async def _restore(self, env: Any, state: bytes) -> None:
+        """The environment as its last recorded turn left it (its ``restore``); ``Diverged``
+        when that fails: the episode runs again from its start."""
+        try:
+            await asyncio.wait_for(call(env.restore, state), timeout=self.config.episode_timeout_s)
+        except Exception as e:  # a user's restore: the episode can still be run from its start
+            raise Diverged(f"{type(env).__name__}.restore failed ({type(e).__name__}: {e})") from e
 
     def _render(self, obs: Observation, *, ended_with_eos: bool) -> list[int]:
         """An observation's ids, cut to ``env.max_obs_tokens`` at the configured end (the
@@ -196,6 +220,14 @@ class EpisodeRunner:
         if len(ids) <= limit:
             return ids
         return ids[:limit] if self.config.obs_truncate == "end" else ids[-limit:]
+
+
+async def _snapshot(env: Any) -> bytes:
+    """The environment's ``snapshot()``, which must be bytes."""
+    state = await call(env.snapshot)
+    if not isinstance(state, bytes):
+        raise TypeError(f"snapshot() must return bytes (got {type(state).__name__})")
+    return state
 
 
 def _check_replay(recorded: Turn, replayed: Turn) -> None:

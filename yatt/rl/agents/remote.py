@@ -4,7 +4,8 @@
 episode runs against it as against an environment in the controller. Its calls go to the
 env worker that holds the episode. When that worker is lost (killed, restarted, silent:
 ``PeerLost``, a timeout, or a restarted worker that does not know the episode), the episode
-is rebuilt on a live worker: reset with its seed and row, every action it was stepped with
+is rebuilt on a live worker: reset with its seed and row, restored to its last snapshot
+where the environment takes them (``snapshot``/``restore``), every action stepped since
 sent again (their answers must be the recorded ones: an environment deterministic in its
 seed and actions, as the controller's own resume asks), then the call in flight. Only a
 worker lost twice within one call ends the episode (``EnvFailed``), as an environment that
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,10 @@ class RemoteEnv:
     seed: int = field(default=0, init=False)
     row: dict[str, Any] = field(default_factory=dict, init=False)
     first: EnvReply | None = field(default=None, init=False)
-    steps: list[tuple[str, EnvReply]] = field(default_factory=list, init=False)  # (action, its reply)
+    supports_snapshots: bool = field(default=False, init=False)  # (the reset's answer)
+    turn: int = field(default=-1, init=False)  # the last turn stepped, counted from the reset
+    base: tuple[int, bytes] | None = field(default=None, init=False)  # the last snapshot or restore: (turn it covers, state)
+    steps: list[tuple[int, str, EnvReply]] = field(default_factory=list, init=False)  # since ``base``: (turn, action, reply)
     rebuilt: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -56,20 +61,25 @@ class RemoteEnv:
     async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[dict[str, str]], dict[str, Any]]:
         self.seed, self.row = seed or 0, dict((options or {}).get("row", {}))
         self.first = await self._retrying(self._open)
+        self.supports_snapshots = self.first.snapshots
         tools = json.loads(self.first.tools_json) if self.first.tools_json else None
         return self.first.messages, ({"tools": tools} if tools else {})
 
     async def step(self, action: str) -> tuple[list[dict[str, str]], float | None, bool, bool, dict[str, Any]]:
-        turn = len(self.steps)
-
-        async def once() -> EnvReply:
-            if self.at is None:
-                await self._rebuild()
-            return await self._send(EnvCall(episode=self.episode, method="step", turn=turn, action=action), self.timeout_s)
-
-        reply = await self._retrying(once)
-        self.steps.append((action, reply))
+        turn = self.turn + 1
+        reply = await self._retrying(lambda: self._call(EnvCall(episode=self.episode, method="step", turn=turn, action=action)))
+        self.turn = turn
+        self.steps.append((turn, action, reply))
         return reply.messages, reply.reward, reply.terminated, reply.truncated, {"tool_errors": reply.tool_errors}
+
+    async def snapshot(self) -> bytes:
+        reply = await self._retrying(lambda: self._call(EnvCall(episode=self.episode, method="snapshot")))
+        self.base, self.steps = (self.turn, reply.state), []
+        return reply.state
+
+    async def restore(self, state: bytes) -> None:
+        self.base, self.steps = (self.turn, state), []
+        await self._retrying(lambda: self._call(EnvCall(episode=self.episode, method="restore", turn=self.turn, state=state)))
 
     async def close(self) -> None:
         if self.at is not None:
@@ -78,15 +88,21 @@ class RemoteEnv:
             except (_Lost, EnvFailed) as e:  # its process goes with its worker, or the worker's sweep
                 logger.info("env: closing %s: %s", self.episode, e)
 
-    async def _retrying(self, call: Any) -> EnvReply:
+    async def _call(self, call: EnvCall) -> EnvReply:
+        """``call`` on the episode, rebuilt first where its worker was lost."""
+        if self.at is None:
+            await self._rebuild()
+        return await self._send(call, self.timeout_s)
+
+    async def _retrying(self, call: Callable[[], Awaitable[EnvReply]]) -> EnvReply:
         """``call()``, once more on a live worker when its worker is lost; ``EnvFailed`` the second time."""
         try:
-            return await call()  # type: ignore[no-any-return]
+            return await call()
         except _Lost as e:
             logger.warning("env: %s lost its env worker (%s); rebuilding it on a live one", self.episode, e)
             self.at = None
         try:
-            return await call()  # type: ignore[no-any-return]
+            return await call()
         except _Lost as e:
             raise EnvFailed(f"episode {self.name}: its env worker was lost twice within one call ({e})") from None
 
@@ -97,14 +113,18 @@ class RemoteEnv:
         return await self._send(call, self.timeout_s + START_S)
 
     async def _rebuild(self) -> None:
-        """The episode on a live worker, as it was: reset, then each recorded action again."""
+        """The episode on a live worker, as it was: reset, restored to its last snapshot (if
+        any), then each action since stepped again."""
         self.rebuilt += 1
         first = await self._open()
         _same(first, self.first, f"episode {self.name}: reset with seed {self.seed}")
-        for turn, (action, recorded) in enumerate(self.steps):
+        if self.base is not None:
+            turn, state = self.base
+            await self._send(EnvCall(episode=self.episode, method="restore", turn=turn, state=state), self.timeout_s)
+        for turn, action, recorded in self.steps:
             again = await self._send(EnvCall(episode=self.episode, method="step", turn=turn, action=action), self.timeout_s)
             _same(again, recorded, f"episode {self.name}: turn {turn} stepped again")
-        logger.warning("env: %s rebuilt on %s after %d turns", self.episode, self.at, len(self.steps))
+        logger.warning("env: %s rebuilt on %s at turn %d", self.episode, self.at, self.turn)
 
     async def _send(self, call: EnvCall, timeout: float) -> EnvReply:
         """``call`` to the worker holding the episode (the least busy live one before it has one)."""

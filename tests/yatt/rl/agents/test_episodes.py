@@ -175,3 +175,58 @@ def test_a_groups_newest_version_counts_every_token() -> None:
         token_versions=[torch.tensor([3, -1, 5])],
     )  # fmt: skip
     assert newest_version(group) == 5
+
+
+class Saved(Counter):
+    """A Counter whose state is saved and restored (``snapshot``/``restore``); its
+    observation says how many steps it has seen, so a wrong restore shows."""
+
+    steps_taken = 0  # every instance's steps (a resume must take none for the recorded turns)
+    restored: list[bytes] = []
+
+    def step(self, action: str) -> tuple[str, float | None, bool, bool, dict[str, Any]]:
+        Saved.steps_taken += 1
+        self.seen += 1
+        return f"seen {self.seen}", float(self.seen), self.seen >= self.turns, False, {}
+
+    def snapshot(self) -> bytes:
+        return str(self.seen).encode()
+
+    def restore(self, state: bytes) -> None:
+        Saved.restored.append(state)
+        self.seen = int(state)
+
+
+async def test_an_environment_with_snapshots_resumes_from_the_last_recorded_state_without_stepping_again(tokenizer: Any) -> None:
+    run = runner(tokenizer, max_turns=4)
+    recorded: list[Any] = []
+
+    async def record(turn: Any) -> None:
+        recorded.append(turn)
+
+    prompt = await run.start(Saved(turns=4), seed=3, row={}, prompt_ids=[1, 2])
+    whole = await run.run(Saved(turns=4), prompt, policy(tokenizer), record=record)
+    assert [t.env_state for t in recorded] == [b"1", b"2", b"3", b""]  # (none after the last: nothing resumes it)
+    Saved.steps_taken, Saved.restored = 0, []
+    again = await run.run(Saved(turns=4), prompt, policy(tokenizer), recorded=recorded[:2])
+    assert Saved.restored == [b"2"] and Saved.steps_taken == 2  # turns 3 and 4 only
+    assert again.ids == whole.ids and again.info == whole.info
+
+
+async def test_a_restore_that_fails_runs_the_episode_again_from_its_start(tokenizer: Any) -> None:
+    from yatt.rl.agents.episodes import Diverged
+
+    class Unrestorable(Saved):
+        def restore(self, state: bytes) -> None:
+            raise OSError("the save is gone")
+
+    run = runner(tokenizer, max_turns=4)
+    recorded: list[Any] = []
+
+    async def record(turn: Any) -> None:
+        recorded.append(turn)
+
+    prompt = await run.start(Saved(turns=4), seed=3, row={}, prompt_ids=[1, 2])
+    await run.run(Saved(turns=4), prompt, policy(tokenizer), record=record)
+    with pytest.raises(Diverged, match=r"Unrestorable.restore failed \(OSError: the save is gone\)"):
+        await run.run(Unrestorable(turns=4), prompt, policy(tokenizer), recorded=recorded[:2])

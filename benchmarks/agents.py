@@ -1,29 +1,36 @@
 """``python -m benchmarks agents``: multi-turn episodes with environment latency, yatt's
-episode scheduling against lock-step turns, side by side, interleaved.
+episode scheduling against lock-step turns and against TRL's GRPOTrainer, side by side,
+interleaved.
 
 The workload: ``episodes`` episodes of the built-in guess-the-number environment on the
 tiny model (``max_turns`` turns each: the untrained model never guesses right, so every
 episode runs them all), through a real generator actor (its batching, the transformers
 engine) over loopback. Every environment step waits a heavy-tailed latency, as a tool
 call does: lognormal around ``latency_ms``, clipped to [``min_ms``, ``max_ms``], seeded
-per episode and turn (the same draws in both modes).
+per episode and turn (the same draws in every mode).
 
 - ``yatt``: each episode is its own task (``yatt.rl.agents.episodes``): a turn is
   generated as soon as its episode's previous step returned, batched with whatever other
   turns are waiting at the generator.
 - ``lockstep``: every episode's turn k is generated in one batch once every episode still
-  running has finished turn k - 1, as TRL's GRPOTrainer tool loop does (its batch waits
-  for its slowest tool call): the same runner, its ``generate`` held at a barrier.
+  running has finished turn k - 1 (the batch waits for its slowest step): the same runner,
+  its ``generate`` held at a barrier. The best a turn-synchronous loop can do.
 - ``record``: yatt's mode with every finished turn recorded in a real buffer's ledger
   (``TurnRecord``: one fsync'd commit, shared by the records that arrive together) before
   its episode goes on: what exactly-once mid-episode costs a turn.
+- ``trl``: TRL's own GRPOTrainer (``benchmarks/trl_agents.py``): its ``environment_factory``
+  loop runs the same episodes (the same secrets and step latencies, its own HF generate on
+  the same model, one torch thread), one optimizer step per run. Its loop is lock-step and
+  more: a turn's steps run one episode after another, so a turn waits for the sum of the
+  batch's steps. Timed over its rollout (``_generate``: generation and environment steps;
+  no scoring, no training, which come after the whole rollout), its start-up and a warm-up
+  step before the timing. It steps ``max_turns - 1`` times an episode (no step after the
+  last turn), one latency wait fewer than the other modes: in TRL's favour.
 
 Figures: episodes/s of each mode (median of ``repeats``, interleaved), the generator's busy
-share (engine time / wall), the turn time, and the time a turn record adds. Ratios:
-``yatt_vs_lockstep`` (samples/s), ``record_cost_share`` (the record's added time per turn
-over the turn's time). TRL's own GRPOTrainer is not run: its tool loop parses calls with the
-chat template's tool-call format, which neither model here has (the tiny template, and
-SmolLM2-135M-Instruct's, have none); lock-step is how its loop schedules turns.
+share (engine time / wall), the turn time, the time a turn record adds, and TRL's whole
+optimizer step (``trl_step_s``). Ratios: ``yatt_vs_lockstep`` and ``yatt_vs_trl``
+(samples/s), ``record_cost_share`` (the record's added time per turn over the turn's time).
 
 Options (``--set``): episodes, max_turns, max_new_tokens, latency_ms, min_ms, max_ms, repeats.
 """

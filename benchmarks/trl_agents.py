@@ -9,22 +9,23 @@ Which TRL path (TRL 1.16, ``trl/trainer/grpo_trainer.py``):
   (pooled across batches, ``reset`` per rollout, its public methods the tools, ``get_reward``
   its reward); ``_tool_call_loop`` runs each turn's tool calls and generates the next turn.
   This is the path used here.
-- ``tools=``: the same loop with stateless functions: a game's state would have to live
-  outside them. ``environment_factory`` is its stateful form.
+- ``tools=``: the same loop and the same requirements, with stateless functions: a game's
+  state would have to live outside them. ``environment_factory`` is its stateful form.
 - ``rollout_func=``: TRL calls it once per generation batch and takes back ids and
-  log-probs; the turn loop and its scheduling are the caller's code, not TRL's.
+  log-probs; the turn loop and its scheduling are the caller's code, not TRL's (written
+  here, it would be one of the benchmark's own modes inside TRL's trainer).
 
 What it takes to run the tiny model there. ``GRPOTrainer.__init__`` refuses a chat template
-that cannot render a tool-calling conversation (``supports_tool_calling``), and TRL's loop
-goes on only for a turn that ``parse_response`` reads as a tool call (the tokenizer's
-``response_template``); an untrained model writes no tool-call syntax at all. So the
-tokenizer gets ``TOOL_TEMPLATE`` (the tiny template, plus a rendering of tool calls; a tool
-result renders exactly as yatt renders the observation after a turn, a user message) and
-``EVERY_TURN_A_CALL`` (a response template that reads a turn's whole text as a call of the
-environment's ``guess(action=<the text>)``): every turn is the action, as in yatt's
-``EpisodeRunner``. The first prompt renders as yatt's (``<|user|>`` + the reset text).
+that cannot render a tool-calling conversation (``supports_tool_calling``, line ~650), and
+TRL's loop goes on only for a turn that ``parse_response`` reads as a tool call (the
+tokenizer's ``response_template``); an untrained model writes no tool-call syntax at all.
+So the tokenizer gets ``TOOL_TEMPLATE`` (the tiny template, plus a rendering of tool calls;
+a tool result renders exactly as yatt renders the observation after a turn, a user
+message) and ``EVERY_TURN_A_CALL`` (a response template that reads a turn's whole text as a
+call of the environment's ``guess(action=<the text>)``): every turn is the action, as in
+yatt's ``EpisodeRunner``. The first prompt renders as yatt's (``<|user|>`` + the reset text).
 
-What TRL's loop does per turn (``_generate`` and ``_tool_call_loop``): one
+What TRL's loop does per turn (``_generate`` and ``_tool_call_loop``, lines ~1945-2190): one
 ``model.generate`` over every episode still going (left-padded, ``max_new_tokens`` from
 ``generation_kwargs``), then the turn's tool calls one episode after another in the
 trainer's thread (an ``async def`` tool is awaited per episode too: ``asyncio.gather``
@@ -41,7 +42,9 @@ generate calls), ``step_s`` the whole optimizer step (``on_step_begin`` to
 ``on_step_end``: rollout, rewards, forward, backward, AdamW). TRL's start-up (trainer
 construction, model load) happens in ``TrlEpisodes.__init__``, before any batch is timed.
 The trainer's settings are the e2e benchmark's (``benchmarks.trl_grpo.grpo_config``), one
-group of ``episodes`` rollouts per step.
+group of ``episodes`` rollouts per step, one torch thread as the yatt modes. ``train()`` runs
+in a thread of its own, held at the start of each step until ``batch`` lets it go, so
+nothing of TRL runs while the caller measures yatt's modes.
 """
 
 from __future__ import annotations

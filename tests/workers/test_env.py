@@ -6,6 +6,7 @@ A controller's ``RemoteEnv`` rebuilds an episode whose worker is lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import sys
@@ -102,11 +103,12 @@ async def test_an_environment_reaches_no_network_unless_allowed(transport: Trans
         server.close()
 
 
-async def test_a_remote_env_whose_worker_is_lost_is_rebuilt_on_another_and_goes_on_where_it_was(transport: Transport) -> None:
-    """Two env workers; the episode's worker closes after turn 2 (as a killed one leaves the
-    directory): turn 3 goes to the other, after a reset with the same seed and the two
-    actions again, and answers as the episode would have."""
-    config = EnvConfig(class_=COUNTER, kwargs={"turns": 4})
+@contextlib.asynccontextmanager
+async def two_workers(
+    transport: Transport, config: EnvConfig
+) -> AsyncIterator[tuple[Directory, EnvWorker, EnvWorker, dict[str, Registration]]]:
+    """A registry, two registered env workers of ``config`` and a directory that sees both;
+    the registrations by endpoint (closing one is how a killed worker leaves)."""
     async with (
         Registry(transport, endpoint=LOCAL, publish_endpoint=LOCAL) as registry,
         EnvWorker(transport, endpoint=LOCAL, config=config) as one,
@@ -116,7 +118,19 @@ async def test_a_remote_env_whose_worker_is_lost_is_rebuilt_on_another_and_goes_
         registrations = {w.endpoint: Registration(transport, registry.endpoint, w.info()) for w in (one, two)}
         for r in registrations.values():
             await r.start()
-        await directory.wait_until(lambda d: len(d.members("env")) == 2, timeout=30)
+        try:
+            await directory.wait_until(lambda d: len(d.members("env")) == 2, timeout=30)
+            yield directory, one, two, registrations
+        finally:
+            for r in registrations.values():
+                await r.close()
+
+
+async def test_a_remote_env_whose_worker_is_lost_is_rebuilt_on_another_and_goes_on_where_it_was(transport: Transport) -> None:
+    """Two env workers; the episode's worker closes after turn 2 (as a killed one leaves the
+    directory): turn 3 goes to the other, after a reset with the same seed and the two
+    actions again, and answers as the episode would have."""
+    async with two_workers(transport, EnvConfig(class_=COUNTER, kwargs={"turns": 4})) as (directory, one, two, registrations):
         env = RemoteEnv(directory, name="g/0", timeout_s=10.0, wait_s=30.0)
         obs, _ = await env.reset(seed=3, options={"row": {"prompt": "p"}})
         assert obs == [{"role": "user", "content": "seed 3 row p"}]
@@ -132,7 +146,6 @@ async def test_a_remote_env_whose_worker_is_lost_is_rebuilt_on_another_and_goes_
         assert (await env.step("d"))[1:3] == (4.0, True)
         await env.close()
         assert other.episodes == {}
-        await registrations[other.endpoint].close()
 
 
 async def test_a_remote_env_that_answers_otherwise_when_rebuilt_ends_its_episode(transport: Transport) -> None:
@@ -174,16 +187,7 @@ async def test_a_remote_env_with_snapshots_is_rebuilt_from_its_last_snapshot(tra
     the snapshot and steps only turn 3 again (a replay from the reset would answer 'step 1'
     to it and fail the check), then turn 4 goes on from there."""
     config = EnvConfig(class_="tests.workers.env_fixtures:SavedCounter", kwargs={"turns": 5})
-    async with (
-        Registry(transport, endpoint=LOCAL, publish_endpoint=LOCAL) as registry,
-        EnvWorker(transport, endpoint=LOCAL, config=config) as one,
-        EnvWorker(transport, endpoint=LOCAL, config=config) as two,
-        Directory(transport, registry.endpoint) as directory,
-    ):
-        registrations = {w.endpoint: Registration(transport, registry.endpoint, w.info()) for w in (one, two)}
-        for r in registrations.values():
-            await r.start()
-        await directory.wait_until(lambda d: len(d.members("env")) == 2, timeout=30)
+    async with two_workers(transport, config) as (directory, one, two, registrations):
         env = RemoteEnv(directory, name="g/3", timeout_s=10.0, wait_s=30.0)
         await env.reset(seed=3)
         assert env.supports_snapshots
@@ -200,5 +204,3 @@ async def test_a_remote_env_with_snapshots_is_rebuilt_from_its_last_snapshot(tra
         await fresh.reset(seed=9)
         await fresh.restore(b"3 4")  # a resumed episode: restored, not stepped
         assert (await fresh.step("e"))[0] == [{"role": "user", "content": "step 5 of seed 3: e"}]
-        for r in registrations.values():
-            await r.close()

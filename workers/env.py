@@ -15,8 +15,9 @@ environment process that dies (its CPU limit, a crash) or a call past
 ``env.episode_timeout_s`` ends that episode: the reply is an ``EnvFailed`` naming the
 environment and why, the controller ends the episode as env_error, and the worker goes on
 serving. A step of a turn already stepped is answered again with that turn's reply (a
-re-sent request steps nothing twice). An episode that no call touched for
-``env.episode_timeout_s`` (its controller died) is closed.
+re-sent request steps nothing twice). An episode that no call touched for three times
+``env.episode_timeout_s`` (its controller died) is closed (were it only waiting for a slow
+generation, its controller rebuilds it here).
 
 A killed env worker takes its episode processes with it (they die with their parent);
 the controllers rebuild each of its episodes on a live worker
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 _START_TIMEOUT_S = 60.0  # an episode process's first answer (its environment made)
+IDLE_TIMEOUTS = 3  # an episode untouched for this many env.episode_timeout_s is closed
 
 
 class UnknownEpisode(Exception):
@@ -297,13 +299,13 @@ class EnvWorker(Actor):
         held.conn.close()
 
     async def _sweep(self) -> None:
-        """Close episodes no call touched for ``env.episode_timeout_s`` (their controller is gone)."""
+        """Close episodes no call touched for ``IDLE_TIMEOUTS`` x ``env.episode_timeout_s`` (their controller is gone)."""
         while True:
             await asyncio.sleep(min(30.0, self.config.episode_timeout_s / 2))
-            idle = time.monotonic() - self.config.episode_timeout_s
+            idle = time.monotonic() - IDLE_TIMEOUTS * self.config.episode_timeout_s
             for episode, held in list(self.episodes.items()):
                 if held.used < idle and not held.lock.locked():
-                    logger.warning("env: closing episode %s, untouched for env.episode_timeout_s=%g s", episode, self.config.episode_timeout_s)
+                    logger.warning("env: closing episode %s, untouched for %g s", episode, IDLE_TIMEOUTS * self.config.episode_timeout_s)
                     await self._close(episode)
 
     @handles(Query)

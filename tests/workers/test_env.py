@@ -204,3 +204,16 @@ async def test_a_remote_env_with_snapshots_is_rebuilt_from_its_last_snapshot(tra
         await fresh.reset(seed=9)
         await fresh.restore(b"3 4")  # a resumed episode: restored, not stepped
         assert (await fresh.step("e"))[0] == [{"role": "user", "content": "step 5 of seed 3: e"}]
+
+
+async def test_an_episode_no_call_touches_is_closed_and_its_process_goes(transport: Transport) -> None:
+    """Its controller died: after 3 x env.episode_timeout_s untouched, the worker closes it."""
+    config = EnvConfig(class_=COUNTER, episode_timeout_s=0.2)
+    async with EnvWorker(transport, endpoint=LOCAL, config=config) as worker, Client(transport, worker.endpoint) as client:
+        await call(client, "left", "reset")
+        process = worker.episodes["left"].process
+        await call(client, "kept", "reset")
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            await call(client, "kept", "step", turn=worker.episodes["kept"].turn + 1, action="x")
+        assert set(worker.episodes) == {"kept"} and not process.is_alive()

@@ -15,6 +15,9 @@ per episode and turn (the same draws in every mode).
 - ``lockstep``: every episode's turn k is generated in one batch once every episode still
   running has finished turn k - 1 (the batch waits for its slowest step): the same runner,
   its ``generate`` held at a barrier. The best a turn-synchronous loop can do.
+- ``env_role``: yatt's mode with each episode's environment hosted by the env role
+  (``workers.env``: a worker process, each episode's environment in a process of its own
+  forked from it) through the controller's ``RemoteEnv``: what isolation costs a turn.
 - ``record``: yatt's mode with every finished turn recorded in a real buffer's ledger
   (``TurnRecord``: one fsync'd commit, shared by the records that arrive together) before
   its episode goes on: what exactly-once mid-episode costs a turn.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
 import random
 import statistics
 import tempfile
@@ -95,12 +99,20 @@ QUICK = {"episodes": 8, "max_turns": 2, "max_new_tokens": 4, "latency_ms": 20.0,
 
 
 class SlowGuess(GuessNumber):
-    """Guess the number, each step waiting a drawn latency (a tool call's)."""
+    """Guess the number, each step waiting a drawn latency (a tool call's): ``latency``, or
+    the ``latencies`` of ``Options(**draws)`` for the episode its reset seed names (made from
+    a config by the env role: ``draws`` are latency_ms, min_ms, max_ms and max_turns)."""
 
-    def __init__(self, high: int, latency: list[float]) -> None:
+    def __init__(self, high: int, latency: list[float] | None = None, **draws: float) -> None:
         super().__init__(high)
-        self.latency = latency
+        self.latency = latency or []
+        self.draws = draws
         self.turn = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        if self.draws:
+            self.latency = latencies(build(Options, self.draws), seed or 0)
+        return super().reset(seed=seed, options=options)
 
     async def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:  # type: ignore[override]
         await asyncio.sleep(self.latency[self.turn])
@@ -142,8 +154,13 @@ class LockStep:
                 self.turn.notify_all()
 
 
-async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator: Any, buffer: Any, transport: Any) -> dict[str, float]:
-    """Run the episodes once in ``mode``; its wall time, engine time, turns and record time."""
+async def one_mode(
+    mode: str, opts: Options, *, runner: EpisodeRunner, generator: Any, buffer: Any, transport: Any, directory: Any
+) -> dict[str, float]:
+    """Run the episodes once in ``mode``; its wall time, engine time, turns and record time.
+    ``env_role``: each episode's environment in the env role's worker (``directory``'s), in
+    a process of its own, as a run without ``env.inline`` has it."""
+    from yatt.rl.agents.remote import RemoteEnv
     from yatt.runtime.actor import Client
 
     barrier = LockStep(opts.episodes) if mode == "lockstep" else None
@@ -152,8 +169,10 @@ async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator
     async with Client(transport, generator.endpoint) as gen, Client(transport, buffer.endpoint) as buf:
 
         async def episode(i: int) -> int:
-            env = SlowGuess(8, latencies(opts, i))
             key = GroupKey(epoch=0, shard=0, prompt_index=i)
+            env: Any = SlowGuess(8, latencies(opts, i))
+            if mode == "env_role":
+                env = RemoteEnv(directory, name=key.as_str(), timeout_s=60.0, wait_s=60.0)
             prompt = await runner.start(env, seed=i, row={}, prompt_ids=[])
             turns = 0
 
@@ -176,6 +195,8 @@ async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator
             finally:
                 if barrier is not None:
                     await barrier.leave()
+                if mode == "env_role":
+                    await env.close()
             return out.info.turns
 
         began = time.perf_counter()
@@ -187,6 +208,23 @@ async def one_mode(mode: str, opts: Options, *, runner: EpisodeRunner, generator
     }  # fmt: skip
 
 
+def serve_env_worker(registry: str, config: EnvConfig) -> None:
+    """The env role's worker, registered with ``registry``, until this process is killed."""
+    from workers.env import EnvWorker
+    from yatt.runtime.registry import Registration
+    from yatt.runtime.transport import Transport, TransportConfig
+
+    async def serve() -> None:
+        async with (
+            Transport(TransportConfig(hwm=0)) as transport,
+            EnvWorker(transport, endpoint="tcp://127.0.0.1:*", config=config) as worker,
+            Registration(transport, registry, worker.info()),
+        ):
+            await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
 async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, list[dict[str, float]]]:
     from transformers import AutoTokenizer
 
@@ -195,6 +233,7 @@ async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, li
     from workers.generator import Generator
     from yatt.rl.agents.render import Renderer
     from yatt.rl.buffer import Buffer
+    from yatt.runtime.registry import Directory, Registry
     from yatt.runtime.transport import Transport, TransportConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -208,7 +247,9 @@ async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, li
         TrlEpisodes, model_dir, scratch, episodes=opts.episodes, max_turns=opts.max_turns,
         max_new_tokens=opts.max_new_tokens, latencies=lambda i: latencies(opts, i), steps=1 + opts.repeats,
     )  # fmt: skip
-    runs: dict[str, list[dict[str, float]]] = {"yatt": [], "lockstep": [], "record": [], "trl": []}
+    runs: dict[str, list[dict[str, float]]] = {"yatt": [], "lockstep": [], "record": [], "env_role": [], "trl": []}
+    draws = {"latency_ms": opts.latency_ms, "min_ms": opts.min_ms, "max_ms": opts.max_ms, "max_turns": opts.max_turns}
+    hosted = EnvConfig(class_="benchmarks.agents:SlowGuess", kwargs={"high": 8, **draws})
     buffer_config = BufferConfig(groups_per_step=1, group_size=1, filter="none")
     try:
         async with (
@@ -216,18 +257,31 @@ async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, li
             Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=GeneratorConfig()) as generator,
             Buffer(transport, endpoint="tcp://127.0.0.1:*", config=buffer_config, num_prompts=opts.episodes, num_shards=1,
                    world_size=1, seed=0, ledger_path=scratch / "ledger.db") as buffer,
+            Registry(transport, endpoint="tcp://127.0.0.1:*", publish_endpoint="tcp://127.0.0.1:*") as registry,
+            Directory(transport, registry.endpoint) as directory,
         ):  # fmt: skip
 
             async def once(mode: str) -> dict[str, float]:
                 if mode == "trl":
                     return await asyncio.to_thread(trl.batch)
-                return await one_mode(mode, opts, runner=runner, generator=generator, buffer=buffer, transport=transport)
+                return await one_mode(
+                    mode, opts, runner=runner, generator=generator, buffer=buffer, transport=transport, directory=directory
+                )
 
-            await once("yatt")  # warm-up
-            await once("trl")  # warm-up
-            for _ in range(opts.repeats):
-                for mode in runs:  # interleaved: a drift of the machine hits every mode alike
-                    runs[mode].append(await once(mode))
+            # The env role's worker: a process of its own, as in a run (episodes forked from
+            # this process would copy TRL's and the model's pages).
+            worker = multiprocessing.get_context("spawn").Process(target=serve_env_worker, args=(registry.endpoint, hosted))
+            worker.start()
+            try:
+                await directory.wait_until(lambda d: bool(d.members("env")), timeout=120)
+                for mode in ("yatt", "trl", "env_role"):
+                    await once(mode)  # warm-up
+                for _ in range(opts.repeats):
+                    for mode in runs:  # interleaved: a drift of the machine hits every mode alike
+                        runs[mode].append(await once(mode))
+            finally:
+                worker.kill()
+                worker.join()
     finally:
         await asyncio.to_thread(trl.close)
     return runs
@@ -254,10 +308,15 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     result.figures["trl_step_s"] = statistics.median(r["step_s"] for r in runs["trl"])
     result.ratios["yatt_vs_lockstep"] = result.figures["yatt_episodes_per_s"] / result.figures["lockstep_episodes_per_s"]
     result.ratios["yatt_vs_trl"] = result.figures["yatt_episodes_per_s"] / result.figures["trl_episodes_per_s"]
+    result.ratios["env_role_vs_inline"] = result.figures["env_role_episodes_per_s"] / result.figures["yatt_episodes_per_s"]
     result.ratios["record_cost_share"] = max(per_record, 1e-9) / result.figures["yatt_turn_s"]
     result.notes.append(
         f"{opts.episodes} episodes x {opts.max_turns} turns, {opts.max_new_tokens} new tokens a turn, step latency lognormal "
         f"median {opts.latency_ms:g} ms in [{opts.min_ms:g}, {opts.max_ms:g}] ms; {opts.repeats} interleaved repeats, medians"
+    )
+    result.notes.append(
+        "env_role: yatt's mode with each episode's environment in an env worker (workers.env), a process of its own per "
+        "episode, through the controller's RemoteEnv: what isolating user environments costs (env_role_vs_inline)"
     )
     result.notes.append(
         "record_cost_share: one TurnRecord's round trip to the buffer (its ledger commit) over the time an episode's turn "

@@ -166,10 +166,10 @@ def test_a_role_killed_after_the_stop_grace_is_counted_with_where_it_was(tmp_pat
 def test_agents_quick_measures_each_mode(tmp_path: Path) -> None:
     data = run_quick("agents", tmp_path)
     figures, ratios = data["figures"], data["ratios"]
-    for mode in ("yatt", "lockstep", "record", "trl"):
+    for mode in ("yatt", "lockstep", "record", "env_role", "trl"):
         assert figures[f"{mode}_episodes_per_s"] > 0 and 0 < figures[f"{mode}_generator_busy_share"] <= 1
     # TRL's rollout is part of its optimizer step; its turns are as long as the others' (2 a quick episode, all run)
     assert figures["trl_step_s"] > 8 / figures["trl_episodes_per_s"]
     assert figures["trl_turn_s"] == pytest.approx(8 / figures["trl_episodes_per_s"] / 2)
-    assert set(ratios) == {"yatt_vs_lockstep", "yatt_vs_trl", "record_cost_share"}
+    assert set(ratios) == {"yatt_vs_lockstep", "yatt_vs_trl", "record_cost_share", "env_role_vs_inline"}
     assert all(math.isfinite(v) and v > 0 for v in ratios.values())

@@ -100,6 +100,10 @@ def episode_main(conn: multiprocessing.connection.Connection, config: EnvConfig,
     Forked from a worker whose other threads (ZeroMQ's, the event loop's executor) it does
     not have: it touches nothing of theirs, only its pipe and the environment."""
     die_with_parent(parent)
+    with contextlib.suppress(ImportError):  # (forked, it has its worker's command line, which tools take for the worker)
+        from setproctitle import setproctitle
+
+        setproctitle(f"yatt env episode process of pid {parent}")
     signal.set_wakeup_fd(-1)  # (the worker's event loop's: a signal here must not wake it)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)

@@ -217,3 +217,14 @@ async def test_an_episode_no_call_touches_is_closed_and_its_process_goes(transpo
             await asyncio.sleep(0.1)
             await call(client, "kept", "step", turn=worker.episodes["kept"].turn + 1, action="x")
         assert set(worker.episodes) == {"kept"} and not process.is_alive()
+
+
+async def test_an_episode_process_does_not_pass_for_its_worker(transport: Transport) -> None:
+    """Its command line names it (a tool that looks roles up by command line, the kill
+    tests', must not take it for the env worker)."""
+    import psutil
+
+    async with EnvWorker(transport, endpoint=LOCAL, config=LIMITS) as worker, Client(transport, worker.endpoint) as client:
+        await call(client, "a", "reset")
+        title = " ".join(psutil.Process(worker.episodes["a"].process.pid).cmdline()).strip()
+        assert title == f"yatt env episode process of pid {os.getpid()}"

@@ -52,15 +52,17 @@ class FuzzStats:
 
 
 def role_processes(run_dir: Path) -> dict[str, int]:
-    """``role-index`` -> pid of every role process of the run (``launch.role ... --run-dir``)."""
-    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    procs: dict[str, int] = {}
+    """``role-index`` -> pid of every role process of the run (``launch.role ... --run-dir``);
+    a process forked by a role (a scorer or an environment's process that kept its command
+    line) is not the role."""
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    found: dict[int, tuple[str, int]] = {}  # pid -> (role-index, parent pid)
     for line in out.splitlines():
         if "launch.role " not in line or f"--run-dir {run_dir} " not in line:
             continue
         args = line.split()
-        procs[f"{args[args.index('launch.role') + 1]}-{args[args.index('--index') + 1]}"] = int(args[0])
-    return procs
+        found[int(args[0])] = (f"{args[args.index('launch.role') + 1]}-{args[args.index('--index') + 1]}", int(args[1]))
+    return {name: pid for pid, (name, parent) in found.items() if found.get(parent, ("", 0))[0] != name}
 
 
 def role_ports(run_dir: Path) -> dict[str, list[int]]:

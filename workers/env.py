@@ -41,12 +41,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from setproctitle import getproctitle, setproctitle
+
 from protocols.messages import EnvCall, EnvReply, Message, Metrics, Query
 from yatt.rl.agents.envs import EnvFactory, EnvFailed, call, env_factory, messages_of, supports_snapshots
 from yatt.rl.config import EnvConfig
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.lifetime import die_with_parent
 from yatt.runtime.transport import Transport
+
+getproctitle()  # (set up in the worker: set up in a child after the environment changed, it cannot move the command line)
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +104,7 @@ def episode_main(conn: multiprocessing.connection.Connection, config: EnvConfig,
     Forked from a worker whose other threads (ZeroMQ's, the event loop's executor) it does
     not have: it touches nothing of theirs, only its pipe and the environment."""
     die_with_parent(parent)
-    with contextlib.suppress(ImportError):  # (forked, it has its worker's command line, which tools take for the worker)
-        from setproctitle import setproctitle
-
-        setproctitle(f"yatt env episode process of pid {parent}")
+    setproctitle(f"yatt env episode process of pid {parent}")  # (forked, it had its worker's command line: tools took it for the worker)
     signal.set_wakeup_fd(-1)  # (the worker's event loop's: a signal here must not wake it)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)

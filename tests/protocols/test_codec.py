@@ -75,8 +75,14 @@ SAMPLES: list[P.Message] = [
                 group_key=KEY, sample=1, turn=2, token_ids=torch.tensor([5, 6], dtype=torch.int32),
                 logprobs=torch.tensor([-0.5, -0.25]), policy_version=3, finish_reason="stop",
                 obs_ids=torch.tensor([7], dtype=torch.int32), reward=0.5, tool_errors=1, ended="", detail="",
+                env_state=b"saved",
             ),
         ],
+    ),
+    P.EnvCall(episode="e0/s0/p1/a0/2/ab12", method="restore", turn=3, seed=7, row_json='{"prompt": "p"}', action="4", state=b"\x00s"),
+    P.EnvReply(
+        episode="e0/s0/p1/a0/2/ab12", messages=[{"role": "user", "content": "Higher."}], reward=None, terminated=False,
+        truncated=True, tool_errors=2, tools_json="[]", snapshots=True, state=b"\x01",
     ),
     P.TurnRecord(
         group_key=KEY, sample=0, turn=0, token_ids=torch.tensor([5], dtype=torch.int32), logprobs=torch.tensor([-1.0]),

@@ -242,7 +242,7 @@ class EnvWorker(Actor):
         """A new episode process, its environment made (``EnvFailed`` if that failed)."""
         ours, theirs = self.context.Pipe()
         process = self.context.Process(target=episode_main, args=(theirs, self.config, self.make, os.getpid()), daemon=True)
-        process.start()
+        process.start()  # (on the loop's thread: the child's PDEATHSIG follows the thread that forked it)
         theirs.close()
         self.started += 1
         held = _Episode(process=process, conn=ours)

@@ -7,15 +7,17 @@ env worker that holds the episode. When that worker is lost (killed, restarted, 
 is rebuilt on a live worker: reset with its seed and row, restored to its last snapshot
 where the environment takes them (``snapshot``/``restore``), every action stepped since
 sent again (their answers must be the recorded ones: an environment deterministic in its
-seed and actions, as the controller's own resume asks), then the call in flight. Only a
-worker lost twice within one call ends the episode (``EnvFailed``), as an environment that
-raises, dies or hangs in its process does.
+seed and actions, as the controller's own resume asks), then the call in flight; again
+each time a worker is lost, for up to ``wait_s``. Only then does the episode end
+(``EnvFailed``), as it does for an environment that raises, dies or hangs in its process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 ROLE = "env"
 START_S = 60.0  # an episode process's start, on top of a call's own time
+LOST_PAUSE_S = 0.2  # before an episode whose worker was lost is rebuilt again
 
 
 class _Lost(Exception):
@@ -95,16 +98,18 @@ class RemoteEnv:
         return await self._send(call, self.timeout_s)
 
     async def _retrying(self, call: Callable[[], Awaitable[EnvReply]]) -> EnvReply:
-        """``call()``, once more on a live worker when its worker is lost; ``EnvFailed`` the second time."""
-        try:
-            return await call()
-        except _Lost as e:
-            logger.warning("env: %s lost its env worker (%s); rebuilding it on a live one", self.episode, e)
-            self.at = None
-        try:
-            return await call()
-        except _Lost as e:
-            raise EnvFailed(f"episode {self.name}: its env worker was lost twice within one call ({e})") from None
+        """``call()``, again on a live worker each time its worker is lost (killed, or dropped
+        from the directory while too busy to beat), for up to ``wait_s``; then ``EnvFailed``."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return await call()
+            except _Lost as e:
+                if time.monotonic() >= deadline:
+                    raise EnvFailed(f"episode {self.name}: no env worker kept it for {self.wait_s:g} s ({e})") from None
+                logger.warning("env: %s lost its env worker (%s); rebuilding it on a live one", self.episode, e)
+                self.at = None
+                await asyncio.sleep(LOST_PAUSE_S)
 
     async def _open(self) -> EnvReply:
         """The episode's environment made and reset on the least busy live worker."""

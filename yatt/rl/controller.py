@@ -78,9 +78,12 @@ R = TypeVar("R", bound=Message)
 
 
 def sampling_seed(seed: int, key: GroupKey, *turn: int) -> int:
-    """A stable 31-bit seed per group key (and an episode's sample and turn), so a
-    re-issued request samples the same."""
-    where = "/".join([key.as_str(), *map(str, turn)])
+    """A stable 31-bit seed per prompt of an epoch (and an episode's sample and turn), so a
+    re-issued request samples the same. Not per attempt: an attempt is bookkeeping (which
+    copy of a group is current), and a group redone because the run went back to a
+    checkpoint, its first copy made with discarded weights, then samples what it would have
+    sampled undisturbed (another attempt is sampled with other weights anyway)."""
+    where = "/".join([f"e{key.epoch}/s{key.shard}/p{key.prompt_index}", *map(str, turn)])
     digest = hashlib.blake2b(f"{seed}/{where}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 

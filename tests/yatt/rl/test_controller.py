@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from protocols.messages import MicroBatch, MicroBatchRequest, ScoredGroup
+from protocols.messages import GroupKey, MicroBatch, MicroBatchRequest, ScoredGroup
 from workers.engines.base import PromptRequest, Sample
 from workers.env import EnvWorker
 from workers.generator import Generator
@@ -36,7 +36,7 @@ from yatt.rl.config import (
     RewardConfig,
     ScorerConfig,
 )
-from yatt.rl.controller import Controller
+from yatt.rl.controller import Controller, sampling_seed
 from yatt.rl.data import Prompt
 from yatt.runtime.actor import Client
 from yatt.runtime.registry import Directory, Registration, Registry
@@ -297,3 +297,18 @@ def test_credit_per_turn_puts_each_turns_advantage_on_its_tokens() -> None:
     buffer = SamplingBuffer(BufferConfig(groups_per_step=1, group_size=2), num_prompts=1, num_shards=1, world_size=1, seed=0, ledger=None)  # type: ignore[arg-type]
     mb = buffer._split([group], 0, 0)[0]
     assert mb.advantages[0, 2:6].tolist() == [0.75, 0.75, 0.0, 0.25], "row 0: episode 0 after its 2 prompt tokens"
+
+
+def test_a_prompts_attempts_sample_with_one_seed() -> None:
+    """The sampling seed is the prompt's (of its epoch), not the attempt's: a group redone
+    because the run went back to a checkpoint (its first copy made with discarded weights,
+    ``rolled_back``) samples what the undisturbed run sampled (the colocated kill test's
+    row-for-row comparison). Another prompt, epoch, sample or turn is another seed."""
+    key = GroupKey(epoch=0, shard=1, prompt_index=23, attempt=0)
+    assert sampling_seed(7, key) == sampling_seed(7, dataclasses.replace(key, attempt=2))
+    assert sampling_seed(7, key, 0, 1) == sampling_seed(7, dataclasses.replace(key, attempt=1), 0, 1)
+    others = [
+        sampling_seed(8, key), sampling_seed(7, dataclasses.replace(key, prompt_index=24)),
+        sampling_seed(7, dataclasses.replace(key, epoch=1)), sampling_seed(7, key, 1, 1), sampling_seed(7, key, 0, 2),
+    ]  # fmt: skip
+    assert sampling_seed(7, key) not in others and len(set(others)) == len(others)

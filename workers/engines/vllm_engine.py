@@ -189,6 +189,11 @@ class VLLMEngine:
             # Sleep mode (GPU only): the engine releases its KV cache and offloads its weights
             # while the trainer shares the GPU (the colocated and partial layouts).
             enable_sleep_mode=kind == "cuda",
+            # On CPU a prompt is prefilled whole: vLLM chunks a prefill that does not fit an
+            # engine step, and for a seeded request (every request of a run) then rewinds its
+            # torch.Generator's offset, which a CPU generator does not have ('CPU Generator
+            # does not use offset': the engine died on the default job's 400-group evaluation).
+            enable_chunked_prefill=kind == "cuda",
             **lora_args,
         )
         self._adapter: LoRARequest | None = None  # the adapter every request names; None: base model

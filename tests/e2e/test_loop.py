@@ -160,17 +160,17 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     # The launcher's last line: the headline, from the first evaluation to the last.
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     first, last = evals[0]["eval/reward/accuracy"], evals[-1]["eval/reward/accuracy"]
-    headline = f"held-out greedy accuracy (eval/reward/accuracy, eval.jsonl) {first:.2f} at step 0 -> {last:.2f} at step 40"
+    headline = f"held-out greedy accuracy (eval/reward/accuracy, eval.jsonl) {first:.2f} at step 0 -> {last:.2f} at step 80"
     assert headline in (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
     assert f"; curves in {run_dir / 'curves.png'}" in (run_dir.parent / f"{run_dir.name}.launcher.log").read_text()
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert {"samples_per_s", "staleness/mean", "time/step_s", "buffer/accepted"} <= set(rows[-1])
-    assert {"reward/digits/mean", "reward/failed_share", "response_length/mean", "response_length/clip_ratio"} <= set(rows[-1])
+    assert {"reward/repeated/mean", "reward/failed_share", "response_length/mean", "response_length/clip_ratio"} <= set(rows[-1])
     # What the model wrote, as text, with what each scorer gave it: 2 groups of 8 per step.
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert Counter(r["step"] for r in rollouts) == {step: 16 for step in range(len(rows))}
-    assert all(r["prompt"] and set(r["scores"]) == {"digits"} and r["failure"] == "" for r in rollouts)
+    assert all(r["prompt"] and set(r["scores"]) == {"repeated"} and r["failure"] == "" for r in rollouts)
     assert any(r["completion"] and r["reward"] > 0 for r in rollouts)
     if layout == "auto":
         assert planned_layout(run_dir) in LAYOUTS[1:]
@@ -284,14 +284,15 @@ def assert_trained_as(run_dir: Path, reference: Path, consumed: dict[int, dict[i
     for step, (got, want) in enumerate(zip(steps, training(reference)[: len(steps)], strict=True)):
         assert got == want, f"step {step} trained to other metrics than in the undisturbed run: {got} != {want}"
     for step, (got_row, want_row) in enumerate(zip(metrics(run_dir), metrics(reference), strict=False)):
-        got, want = got_row[ENGINE_NOISE], want_row[ENGINE_NOISE]
-        assert abs(got - want) <= 1e-3 * abs(want), f"step {step}: {ENGINE_NOISE} {got} != {want}"
+        noise, reference_noise = got_row[ENGINE_NOISE], want_row[ENGINE_NOISE]
+        assert abs(noise - reference_noise) <= 1e-6, f"step {step}: {ENGINE_NOISE} {noise} != {reference_noise}"
 
 
-# The trainer's log-probs minus the engine's: the engine's are its float noise under its
-# batching (a colocated run has an engine per rank, the reference one generator, and a
-# row's log-probs move in the last bits with how wide its batch was), so only close; the
-# update does not read them (train/loss and every other train/ metric: bit for bit).
+# The trainer's log-probs minus the engine's (~2e-7 in float32): the engine's move in their
+# last bits with how wide the batch a row was generated in was, and batches form by timing
+# (a colocated run has an engine per rank, the reference one generator; a killed generator's
+# requests come again in other batches), so the two runs agree to float noise only (1e-6);
+# the update does not read them (train/loss and every other train/ metric: bit for bit).
 ENGINE_NOISE = "train/logprob_diff"
 
 
@@ -355,7 +356,7 @@ def test_killed_controller_generator_reward_and_buffer_lose_nothing(
     stopped as a window opens, the trainer ranks' calls waiting on it. Every step trains
     what an undisturbed run trains, row for row."""
     run_dir = tmp_path / "kills"
-    failpoint = "reward-0:score:250"  # about step 9 (40 groups of the evaluation at step 0, ~22 a step)
+    failpoint = "reward-0:score:700"  # about step 7 (400 groups of the evaluation at step 0, ~40 a step)
     proc = launch(run_dir, "run.steps=20", f"placement.layout={layout}", "trainer.checkpoint_every=5", failpoint=failpoint, env=LOG_INFO)
     wait_for(lambda: "reward-0" in role_processes(run_dir), 600, every=0.05)
     reward = role_pid(run_dir, "reward", 0, proc)
@@ -585,7 +586,7 @@ def test_evaluation_on_held_out_prompts_in_the_run_and_after_it(tmp_path: Path) 
     rows = evals(run_dir / "eval.jsonl")
     assert [int(r["step"]) for r in rows] == [0, 3, 6, 9]
     assert all(r["eval/prompts"] == 20 and r["eval/policy_version"] == r["step"] for r in rows)
-    assert {"eval/digits/greedy", "eval/digits/accuracy", "eval/digits/mean@2", "eval/digits/pass@2"} <= set(rows[-1])
+    assert {"eval/repeated/greedy", "eval/repeated/accuracy", "eval/repeated/mean@2", "eval/repeated/pass@2"} <= set(rows[-1])
     samples = [json.loads(line) for line in (run_dir / "eval_rollouts.jsonl").read_text().splitlines()]
     assert Counter(r["step"] for r in samples) == {0: 2, 3: 2, 6: 2, 9: 2}  # 2 greedy groups of 1 each
     assert all(r["group"].startswith("e-") and r["prompt"] for r in samples)
@@ -601,7 +602,7 @@ def test_evaluation_on_held_out_prompts_in_the_run_and_after_it(tmp_path: Path) 
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "eval/digits/accuracy" in done.stdout
+    assert "eval/repeated/accuracy" in done.stdout
     [final] = evals(out / "eval.jsonl")
     assert final["step"] == 9 and final["eval/prompts"] == 20
     # That model is the trainer's last step: the same log-probs (0 here; exporting the step before's weights: 0.63).

@@ -24,7 +24,7 @@ from launch.config import dump_run_config, load_run_config
 from yatt.runtime.transport import make_curve_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["run.fork_roles=false", "model.warm_start_steps=0", "data.num_prompts=64", "run.ready_timeout_s=1"]
+FAST = ["run.fork_roles=false", "model.warm_start_steps=0", "data.num_prompts=64", "data.eval_split=20", "run.ready_timeout_s=1"]
 """The default job on the tiny model without a warm start: the checks take ~0.5 s (and a
 value they miss fails its test in seconds, not after a whole run: READY takes longer)."""
 
@@ -91,14 +91,14 @@ def test_a_batch_that_does_not_split_over_the_trainer_ranks_is_refused(
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.schedule=cosine", "trainer.warmup_steps=40"],
-         "trainer.warmup_steps = 40 leaves the cosine schedule no steps to decay over (run.steps = 40); lower it below 40"),
+        (["trainer.schedule=cosine", "trainer.warmup_steps=80"],
+         "trainer.warmup_steps = 80 leaves the cosine schedule no steps to decay over (run.steps = 80); lower it below 80"),
         (["trainer.schedule=linear", "trainer.warmup_steps=10", "trainer.total_steps=10"],
          "trainer.warmup_steps = 10 leaves the linear schedule no steps to decay over (trainer.total_steps = 10)"),
-        (["trainer.warmup_steps=41"],
-         "trainer.warmup_steps = 41 is longer than the run (run.steps = 40): the learning rate would never reach trainer.lr"),
-        (["trainer.schedule=cosine", "trainer.total_steps=30"],
-         "trainer.total_steps = 30 ends the cosine decay before the run does (run.steps = 40): its last 10 steps"),
+        (["trainer.warmup_steps=81"],
+         "trainer.warmup_steps = 81 is longer than the run (run.steps = 80): the learning rate would never reach trainer.lr"),
+        (["trainer.schedule=cosine", "trainer.total_steps=70"],
+         "trainer.total_steps = 70 ends the cosine decay before the run does (run.steps = 80): its last 10 steps"),
     ],
     ids=["cosine-warmup-past-the-run", "warmup-past-total-steps", "constant-warmup-past-the-run", "decay-ends-early"],
 )  # fmt: skip
@@ -347,8 +347,8 @@ PROBE: list[tuple[list[str], str]] = [
     (["algorithm.overlong_buffer=64"], "algorithm.overlong_buffer"),
     (["trainer.world_size=3"], "trainer.world_size"),
     (["trainer.world_size=0"], "trainer.world_size"),
-    (["trainer.schedule=cosine", "trainer.warmup_steps=50"], "trainer.warmup_steps"),
-    (["trainer.warmup_steps=50"], "trainer.warmup_steps"),
+    (["trainer.schedule=cosine", "trainer.warmup_steps=90"], "trainer.warmup_steps"),
+    (["trainer.warmup_steps=90"], "trainer.warmup_steps"),
     (["trainer.schedule=linear", "trainer.total_steps=20"], "trainer.total_steps"),
     (["trainer.lr=0"], "trainer.lr"),
     (["trainer.betas=[1.5, 0.9]"], "trainer.betas"),

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_default_is_the_tiny_job() -> None:
     cfg = load_run_config(None)
-    assert cfg.model.path == "" and cfg.data.task == "digits"
+    assert cfg.model.path == "" and cfg.data.task == "repeated"
     assert (cfg.controller.num_controllers, cfg.run.num_generators, cfg.run.num_rewards, cfg.trainer.world_size) == (2, 1, 1, 2)
 
 
@@ -35,7 +35,7 @@ def test_cross_section_check_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.weight_sync_every = 3 lets generators lag 2 versions"):
         load_run_config(None, ["trainer.weight_sync_every=3"])
     sync_every_3 = ["trainer.weight_sync_every=3", "buffer.max_staleness=2"]
-    with pytest.raises(ConfigError, match=r"run\.eval_every = 20 .* make it a multiple of 3"):  # the default job evaluates every 20
+    with pytest.raises(ConfigError, match=r"run\.eval_every = 40 .* make it a multiple of 3"):  # the default job evaluates every 40
         load_run_config(None, sync_every_3)
     assert load_run_config(None, [*sync_every_3, "run.eval_every=6"]).trainer.weight_sync_every == 3
     with pytest.raises(ConfigError, match=r"model\.warm_start_steps must be >= 0"):

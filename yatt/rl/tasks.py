@@ -76,6 +76,29 @@ def digits_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> 
     return 0.2 + 0.8 * right / max(len(number), len(answer))
 
 
+def repeated_prompts(num: int, seed: int) -> list[Example]:
+    """"Which digit repeats: 3 7 1 7?": three distinct digits and a second copy of one of
+    them, put in at a random place (answers 0..9, 4,320 distinct lists). A rule, not a table
+    of facts: a tiny model that learns it on some lists answers lists it never saw."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(num):
+        digits = rng.sample(range(10), 3)
+        repeated = rng.choice(digits)
+        digits.insert(rng.randint(0, 3), repeated)
+        examples.append((f"Which digit repeats: {' '.join(map(str, digits))}?", {"answer": str(repeated)}))
+    return examples
+
+
+def repeated_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
+    """1 if the completion is the answer and nothing else (spaces aside), else 0.
+
+    No partial credit: on this task the warm-started model already answers with a digit of
+    the list, and credit for any listed digit taught it to name one at random rather than the
+    repeated one (held-out accuracy rose less, and for some seeds not at all)."""
+    return 1.0 if completion.strip() == metadata["answer"] else 0.0
+
+
 def addition_prompts(num: int, seed: int) -> list[Example]:
     """Sums of two two-digit numbers: for small real models (e.g. SmolLM2), not the tiny one."""
     return _sums(num, seed, 10, 99)
@@ -92,6 +115,7 @@ def addition_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -
 
 TASKS: dict[str, Task] = {
     "digits": Task(digits_prompts, digits_reward),
+    "repeated": Task(repeated_prompts, repeated_reward),
     "addition": Task(addition_prompts, addition_reward),
 }
 """The built-in synthetic tasks (data.source: synthetic, data.task: <name>)."""

@@ -34,6 +34,8 @@ from yatt.rl.tasks import (
     digits_prompts,
     digits_reward,
     reasoning_gym_reward,
+    repeated_prompts,
+    repeated_reward,
     score_reasoning_gym,
 )
 from yatt.runtime.configtools import build
@@ -293,6 +295,24 @@ def test_digits_reward(completion: str, answer: str, expected: float) -> None:
     assert digits_reward("What is 5 + 7?", completion, {"answer": answer}) == pytest.approx(expected)
 
 
+def test_the_repeated_digit_task_is_a_rule_with_one_answer() -> None:
+    """Four digits, three distinct, the fourth a copy of one of them: the answer is that
+    one; thousands of distinct lists (a held-out 100 are lists never trained on)."""
+    examples = repeated_prompts(2000, 0)
+    assert examples == repeated_prompts(2000, 0) != repeated_prompts(2000, 1)
+    for text, metadata in examples:
+        digits = re.fullmatch(r"Which digit repeats: (\d) (\d) (\d) (\d)\?", text).groups()  # type: ignore[union-attr]
+        assert len(set(digits)) == 3
+        assert [d for d in set(digits) if digits.count(d) == 2] == [metadata["answer"]]
+    assert len({text for text, _ in examples}) > 1500
+    assert {metadata["answer"] for _, metadata in examples} == set("0123456789")
+
+
+@pytest.mark.parametrize(("completion", "expected"), [("7", 1.0), (" 7 ", 1.0), ("3", 0.0), ("77", 0.0), ("7.", 0.0), ("", 0.0)])
+def test_repeated_reward_is_exact_match(completion: str, expected: float) -> None:
+    assert repeated_reward("Which digit repeats: 3 7 1 7?", completion, {"answer": "7"}) == expected
+
+
 @pytest.mark.parametrize(
     ("completion", "expected"),
     [("23 + 45 = 68", 1.0), ("68", 1.0), ("68 or 69", 0.0), ("sixty-eight", 0.0), ("168", 0.0)],
@@ -308,7 +328,7 @@ def test_addition_reward(completion: str, expected: float) -> None:
     ("data", "message"),
     [
         ({"source": "jsonl"}, r"^data\.path is required for source jsonl"),
-        ({"task": "sums"}, r"^data\.task must be a built-in task: one of addition, digits \(got 'sums'\)"),
+        ({"task": "sums"}, r"^data\.task must be a built-in task: one of addition, digits, repeated \(got 'sums'\)"),
         ({"source": "reasoning_gym", "task": ""}, r"^data\.task is required for source reasoning_gym"),
         ({"num_prompts": -1}, r"^data\.num_prompts must be >= 0 \(got -1\)"),
         ({"max_prompt_tokens": -2}, r"^data\.max_prompt_tokens must be >= 0"),

@@ -93,9 +93,9 @@ def repeated_prompts(num: int, seed: int) -> list[Example]:
 def repeated_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
     """1 if the completion is the answer and nothing else (spaces aside), else 0.
 
-    No partial credit: on this task the warm-started model already answers with a digit of
-    the list, and credit for any listed digit taught it to name one at random rather than the
-    repeated one (held-out accuracy rose less, and for some seeds not at all)."""
+    No partial credit: credit for naming any digit of the list would pay a guess among its
+    three (right a third of the time) nearly as well as the rule. (The default job's
+    warm-started model answers with one digit in 3 of 4 samples, one of the list in 3 of 10.)"""
     return 1.0 if completion.strip() == metadata["answer"] else 0.0
 
 

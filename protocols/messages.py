@@ -54,7 +54,11 @@ class GroupKey:
     attempt: int = 0  # eval: 0 the greedy completion, 1 the sampled ones
 
     def as_str(self) -> str:
-        return f"e{self.epoch}/s{self.shard}/p{self.prompt_index}/a{self.attempt}"
+        return f"{self.prompt_str()}/a{self.attempt}"
+
+    def prompt_str(self) -> str:
+        """The prompt of its epoch the key is an attempt at: e0/s1/p23."""
+        return f"e{self.epoch}/s{self.shard}/p{self.prompt_index}"
 
 
 @dataclass(frozen=True, kw_only=True)

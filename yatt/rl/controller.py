@@ -83,7 +83,7 @@ def sampling_seed(seed: int, key: GroupKey, *turn: int) -> int:
     copy of a group is current), and a group redone because the run went back to a
     checkpoint, its first copy made with discarded weights, then samples what it would have
     sampled undisturbed (another attempt is sampled with other weights anyway)."""
-    where = "/".join([f"e{key.epoch}/s{key.shard}/p{key.prompt_index}", *map(str, turn)])
+    where = "/".join([key.prompt_str(), *map(str, turn)])
     digest = hashlib.blake2b(f"{seed}/{where}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 

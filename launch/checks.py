@@ -55,6 +55,25 @@ def check_config(cfg: RunConfig) -> None:
         _check_env(cfg)
 
 
+def advice(cfg: RunConfig) -> list[str]:
+    """What a valid config may still regret, one line each, printed before the roles start.
+
+    Asynchronous training (``buffer.max_staleness`` > 0) with neither importance weights
+    nor the rollout's log-probs as PPO's old ones trains on rollouts of older weights as if
+    they were on-policy: on the default job (lr 1e-3), staleness 2, disaggregated, 40 steps,
+    held-out accuracy went 0.14 -> 0.25 (through 0.00 at step 8) uncorrected, 0.14 -> 0.50
+    with ``algorithm.importance_sampling=tis``, 0.14 -> 0.61 with
+    ``algorithm.old_logprobs=rollout`` (synchronous: 0.42)."""
+    algorithm, lines = cfg.algorithm, []
+    if cfg.buffer.max_staleness > 0 and algorithm.importance_sampling == "none" and algorithm.old_logprobs == "recompute":
+        lines.append(
+            f"buffer.max_staleness={cfg.buffer.max_staleness} trains on rollouts up to {cfg.buffer.max_staleness} "
+            "policy versions old with no off-policy correction, which can collapse the policy; set "
+            "algorithm.importance_sampling=tis (verl's rollout_is) or algorithm.old_logprobs=rollout"
+        )
+    return lines
+
+
 def check_against(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prompt], list[Prompt]], ranks: int) -> None:
     """What needs the model (``model_path``, its config.json and weights' names), the
     tokenised prompts (training, held out) and the trainer ranks of the plan (0: a run

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from launch.checks import check_against, check_config
+from launch.checks import advice, check_against, check_config
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
 from launch.placement.adapter import Adapter
@@ -238,6 +238,8 @@ class LocalLauncher:
             return 1
         if self.plan is not None:
             print(f"yatt: {describe(self.plan)}", flush=True)
+        for line in advice(self.cfg):
+            print(f"yatt: note: {line}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -389,3 +389,17 @@ def test_every_wrong_value_is_refused_before_the_start_naming_its_field(
 ) -> None:
     line = refused(capsys, tmp_path, tiny_model_dir, *overrides)
     assert field in line, line
+
+
+def test_asynchronous_training_without_a_correction_gets_a_note() -> None:
+    """A valid config that collapsed the default job (staleness 2, uncorrected) is run, with
+    one line naming both corrections; corrected or synchronous, no line."""
+    from launch.checks import advice
+
+    def notes(*overrides: str) -> list[str]:
+        return advice(load_run_config(None, list(overrides)))
+
+    (line,) = notes("buffer.max_staleness=2")
+    assert "buffer.max_staleness=2" in line and "algorithm.importance_sampling=tis" in line and "algorithm.old_logprobs=rollout" in line
+    assert notes() == notes("buffer.max_staleness=2", "algorithm.importance_sampling=tis") == []
+    assert notes("buffer.max_staleness=1", "algorithm.old_logprobs=rollout") == []

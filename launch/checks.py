@@ -36,6 +36,7 @@ import zmq.auth
 
 from launch.config import RunConfig
 from yatt.errors import ConfigError
+from yatt.rl.agents.client import load_episode
 from yatt.rl.agents.envs import check_env
 from yatt.rl.config import BufferConfig, ModelConfig, RewardConfig, TrainerConfig
 from yatt.rl.data import Prompt
@@ -183,8 +184,12 @@ def _check_overlong(cfg: RunConfig) -> None:
 
 def _check_env(cfg: RunConfig) -> None:
     """The environment class (made once with env.kwargs) or every tool loads; what an
-    episode cannot honour is refused."""
-    check_env(cfg.env)
+    episode cannot honour is refused; ``env.episode``: the function loads and is ``async def
+    run(client, row)``."""
+    if cfg.env.episode:
+        load_episode(cfg.env.episode)
+    else:
+        check_env(cfg.env)
     if cfg.env.credit == "turn" and cfg.algorithm.advantage not in ("grpo", "dr_grpo"):
         raise ConfigError(
             f"env.credit = turn gives per-turn GRPO advantages, and algorithm.advantage = {cfg.algorithm.advantage} "

@@ -37,6 +37,7 @@ from yatt.runtime.transport import Transport
 
 if TYPE_CHECKING:
     from workers.reward.scorers import RewardMix
+    from yatt.rl.agents.client import AgentRunner
     from yatt.rl.agents.envs import EnvFactory
     from yatt.rl.agents.episodes import EpisodeRunner
     from yatt.rl.data import Prompt
@@ -170,12 +171,14 @@ async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Trans
         await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
 
 
-def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, EnvFactory | None]:
+def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | AgentRunner, EnvFactory | None]:
     """A controller's episode runner (its renderer checked against the model's chat
-    template) and, for ``env.inline``, its environment factory (else None: the env role's)."""
+    template) and, for ``env.inline``, its environment factory (else None: the env role's);
+    for ``env.episode``, the runner of the user's function."""
     from transformers import AutoConfig, AutoTokenizer
 
     from launch.checks import episode_context
+    from yatt.rl.agents.client import AgentRunner
     from yatt.rl.agents.envs import env_factory
     from yatt.rl.agents.episodes import EpisodeRunner
     from yatt.rl.agents.render import Renderer, self_check
@@ -186,12 +189,15 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner, Env
     model = AutoConfig.from_pretrained(model_path)
     context = episode_context(cfg, getattr(model, "max_position_embeddings", None))
     eos = model.eos_token_id if isinstance(model.eos_token_id, list) else [model.eos_token_id]
-    runner = EpisodeRunner(
-        cfg.env, renderer, decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
-        eos_ids={int(i) for i in [*eos, tokenizer.eos_token_id] if i is not None},
-        max_new_tokens=cfg.controller.max_new_tokens, context=context,
-    )  # fmt: skip
-    return runner, env_factory(cfg.env) if cfg.env.inline else None
+    decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
+    eos_ids = {int(i) for i in [*eos, tokenizer.eos_token_id] if i is not None}
+    new_tokens = cfg.controller.max_new_tokens
+    runner: EpisodeRunner | AgentRunner = (
+        AgentRunner(cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context)
+        if cfg.env.episode
+        else EpisodeRunner(cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context)
+    )
+    return runner, env_factory(cfg.env) if cfg.env.inline and not cfg.env.episode else None
 
 
 async def _generator(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:

@@ -27,7 +27,7 @@ def lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("example", ["agent_guess", "agent_calculator"])
+@pytest.mark.parametrize("example", ["agent_guess", "agent_calculator", "agent_client"])
 def test_the_agent_examples_run_episodes(tmp_path: Path, example: str) -> None:
     run_dir = tmp_path / example
     run(run_dir, str(REPO / "examples" / f"{example}.yaml"), "run.steps=3", "model.warm_start_steps=20")
@@ -36,7 +36,7 @@ def test_the_agent_examples_run_episodes(tmp_path: Path, example: str) -> None:
     assert all("episode/turns/mean" in r and "episode/obs_share" in r for r in rows)
     rollouts = lines(run_dir / "rollouts.jsonl")
     assert rollouts and all(r["turns"] and r["ended"] for r in rollouts)
-    if example == "agent_guess":
+    if example in ("agent_guess", "agent_client"):  # (the game, as an environment and as agent code)
         # Several turns, the environment's answer between them, its reward in the row.
         assert max(len(r["turns"]) for r in rollouts) > 1  # type: ignore[arg-type]
         assert any("Higher." in t["observation"] or "Lower." in t["observation"] for r in rollouts for t in r["turns"])  # type: ignore[attr-defined]
@@ -113,14 +113,22 @@ def test_a_role_killed_mid_episode_loses_no_turn(
     second turn of an episode (of 4): the launcher restarts it, the episodes go on (the
     controllers' logs say how), and every group trains the same episodes, token for token,
     as an undisturbed run."""
+    run_dir = tmp_path / "killed"
+    proc = launch_run(run_dir, KILL_ITEMS, env={"YATT_LOG_LEVEL": "INFO"})
+    kill_mid_episode(run_dir, proc, role, says, undisturbed)
+
+
+def kill_mid_episode(
+    run_dir: Path, proc: subprocess.Popen[bytes], role: str, says: str, undisturbed: dict[str, list[list[int]]]
+) -> None:
+    """SIGKILL ``role`` once the ledger holds an episode's second turn; the run must finish,
+    its controllers' logs say ``says`` and every group train ``undisturbed``'s episodes."""
     import os
     import signal
     import time
 
     from benchmarks.fuzzing import role_processes
 
-    run_dir = tmp_path / "killed"
-    proc = launch_run(run_dir, KILL_ITEMS, env={"YATT_LOG_LEVEL": "INFO"})
     deadline = time.monotonic() + 300
     while not (second := [t for t in recorded_turns(run_dir) if t[3] == 1]):
         assert time.monotonic() < deadline and proc.poll() is None, "no episode reached its second turn"
@@ -135,3 +143,15 @@ def test_a_role_killed_mid_episode_loses_no_turn(
     assert says in controllers, controllers[-3000:]
     episodes = accepted_episodes(run_dir)
     assert len(episodes) == 4 * 8 and episodes == undisturbed
+
+
+def test_agent_code_whose_controller_is_killed_mid_episode_loses_no_turn(tmp_path: Path) -> None:
+    """``env.episode`` (the game as agent code): a controller SIGKILLed once an episode's
+    second turn is recorded restarts, runs the function again with the recorded turns
+    answered from the ledger, and every group trains what an undisturbed run trains."""
+    items = [str(REPO / "examples" / "agent_client.yaml"), "run.steps=4", "placement.layout=disaggregated"]
+    reference = tmp_path / "undisturbed"
+    run(reference, *items)
+    run_dir = tmp_path / "killed"
+    proc = launch_run(run_dir, items, env={"YATT_LOG_LEVEL": "INFO"})
+    kill_mid_episode(run_dir, proc, "controller", "resumes after turn", accepted_episodes(reference))

@@ -378,6 +378,9 @@ PROBE: list[tuple[list[str], str]] = [
     (["env.tools=[yatt.rl.agents.tools:calculator]", "env.memory_limit_mb=-5"], "env.memory_limit_mb"),
     (["env.tools=[yatt.rl.agents.tools:calculator]", "env.credit=turn", "algorithm.advantage=rloo"], "env.credit"),
     (["env.tools=[yatt.rl.agents.tools:calculator]", "algorithm.overlong_buffer=4"], "algorithm.overlong_buffer"),
+    (["env.episode=yatt.rl.agents.games:GuessNumber"], "env.episode"),
+    (["env.episode=yatt.rl.agents.games:nope"], "env.episode"),
+    (["env.episode=yatt.rl.agents.games:guess_agent", "env.class=yatt.rl.agents.games:GuessNumber"], "env.episode"),
 ]
 """Wrong values of documented keys, each with the dotted field its refusal must name (issue
 33's "every wrong value of a documented key is refused before start")."""

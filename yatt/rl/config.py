@@ -675,6 +675,11 @@ class EnvConfig:
     per turn, sync or ``async def``; empty with ``tools`` set: the built-in tool environment."""
     kwargs: dict[str, bool | int | float | str | list[str]] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
+    episode: str = ""
+    """'module:function', agent code that drives its own episode: ``async def run(client, row)
+    -> float | dict``, its calls ``client.generate(ids)`` (token in, token out) and
+    ``client.chat(messages, tools=)`` each a turn (yatt/rl/agents/client.py); it runs in the
+    controllers (env.inline's place), under max_turns, max_total_tokens and episode_timeout_s."""
     tools: list[str] = field(default_factory=list)
     """'module:function' tools (type hints and a docstring: transformers' get_json_schema)."""
     protocol: Literal["tags", "hermes"] = "tags"
@@ -732,6 +737,10 @@ class EnvConfig:
         require(self.cpu_limit_s >= 0, "cpu_limit_s", f"must be >= 0 seconds, 0 for no limit (got {self.cpu_limit_s})")
         require(self.memory_limit_mb >= 0, "memory_limit_mb", f"must be >= 0 MiB, 0 for no limit (got {self.memory_limit_mb})")
         require(not self.tools or not self.class_, "tools", "and env.class are both set: a user environment calls its own tools; set one")
+        require(
+            not self.episode or not (self.tools or self.class_), "episode",
+            "is set with env.class or env.tools: agent code that drives its own episode calls its own tools; set one",
+        )  # fmt: skip
         require(self.max_turns >= 1, "max_turns", f"must be >= 1 (got {self.max_turns})")
         require(self.max_total_tokens >= 0, "max_total_tokens", f"must be >= 0 (got {self.max_total_tokens})")
         require(self.max_obs_tokens >= 1, "max_obs_tokens", f"must be >= 1 (got {self.max_obs_tokens})")
@@ -743,12 +752,12 @@ class EnvConfig:
     @property
     def enabled(self) -> bool:
         """Whether prompts run as multi-turn episodes."""
-        return bool(self.class_ or self.tools)
+        return bool(self.class_ or self.tools or self.episode)
 
     @property
     def env_workers(self) -> int:
         """Env role processes the run starts: ``workers`` for episodes not run ``inline``, else 0."""
-        return self.workers if self.enabled and not self.inline else 0
+        return self.workers if (self.class_ or self.tools) and not self.inline else 0
 
     @property
     def render_protocol(self) -> Literal["chat", "raw"]:

@@ -62,6 +62,7 @@ from protocols.messages import (
 )
 from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, TransportError
 from yatt.rl import rl_math
+from yatt.rl.agents.client import AgentRunner, NoCall
 from yatt.rl.agents.envs import EnvFactory, call
 from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Trajectory, Turn
 from yatt.rl.agents.remote import RemoteEnv
@@ -232,7 +233,7 @@ class Controller:
         seed: int,
         eval_prompts: list[Prompt] | None = None,
         evaluation: EvalConfig | None = None,
-        episodes: tuple[EpisodeRunner, EnvFactory | None] | None = None,
+        episodes: tuple[EpisodeRunner | AgentRunner, EnvFactory | None] | None = None,
     ) -> None:
         """``eval_prompts``: the held-out prompts the buffer's eval keys index, sampled as
         ``evaluation`` says. ``episodes``: run each sample as a multi-turn episode with this
@@ -386,8 +387,13 @@ class Controller:
         prompt_ids = episodes[0][0]
         if any(ids != prompt_ids for ids, _ in episodes):
             raise ActorFailed(
-                f"controller {self.shard}: group {key.as_str()}: the environment's reset gave its episodes different "
-                "first observations for one seed; a group is n attempts at one task: make reset follow its seed"
+                f"controller {self.shard}: group {key.as_str()}: " + (
+                    "env.episode's first calls gave the group's episodes different prompts; a group is n attempts at "
+                    "one task: make the first call depend on the row only"
+                    if isinstance(runner, AgentRunner) else
+                    "the environment's reset gave its episodes different first observations for one seed; a group is "
+                    "n attempts at one task: make reset follow its seed"
+                )
             )
         trajectories = [t for _, t in episodes]
         ids = torch.tensor(prompt_ids, dtype=torch.int32)
@@ -405,6 +411,26 @@ class Controller:
         sample and turn: a re-issue samples the same) and recorded."""
         assert self.episodes is not None
         runner, new_env = self.episodes
+        turns, affinity = len(recorded), list[str]()
+
+        async def generate(ids: list[int], budget: int) -> Completion:
+            nonlocal turns
+            sampling = dataclasses.replace(
+                request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
+                seed=sampling_seed(self.seed, key, sample, turns),
+            )  # fmt: skip
+            turns += 1
+            turn = GenerateRequest(
+                group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
+                min_policy_version=request.min_policy_version,
+            )  # fmt: skip
+            return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
+
+        if isinstance(runner, AgentRunner):  # the user's code drives the episode
+            try:
+                return await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
+            except NoCall as e:
+                raise ActorFailed(f"controller {self.shard}: group {key.as_str()}: {e}") from e
         try:
             env = new_env() if new_env is not None else RemoteEnv(
                 self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,
@@ -417,22 +443,6 @@ class Controller:
                 f"({type(e).__name__}: {e}); fix env.class / env.kwargs"
             ) from e
         try:
-
-            turns, affinity = len(recorded), list[str]()
-
-            async def generate(ids: list[int], budget: int) -> Completion:
-                nonlocal turns
-                sampling = dataclasses.replace(
-                    request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
-                    seed=sampling_seed(self.seed, key, sample, turns),
-                )  # fmt: skip
-                turns += 1
-                turn = GenerateRequest(
-                    group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
-                    min_policy_version=request.min_policy_version,
-                )  # fmt: skip
-                return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
-
             trajectory = await runner.run(
                 env, prompt_ids, generate, recorded=recorded, record=lambda turn: record(sample, turn)
             )

@@ -12,5 +12,7 @@ row trained is the concatenation: prompt | generated (loss) | observation (no lo
   start-up self-check that refuses a template whose rendering drifts.
 - ``envs``: loading a user's environment class (Gymnasium's convention), the tool environment.
 - ``episodes``: one episode's run, turn by turn, and the row it leaves (mask, versions).
-- ``games``: built-in environments (guess the number).
+- ``client``: agent code that drives its own episode (``env.episode``): its client's
+  calls (token in/out, or chat messages through the renderer) are the turns.
+- ``games``: built-in environments (guess the number; also as agent code).
 """

@@ -4,6 +4,10 @@
 higher/lower feedback, over several turns. It follows Gymnasium's text convention exactly
 (``reset(seed=, options=)``, ``step(action)``), so it also shows what yatt expects of a
 user's environment.
+
+``guess_agent`` (``env.episode: yatt.rl.agents.games:guess_agent``): the same game written
+as agent code that drives its own episode (yatt/rl/agents/client.py): it keeps the
+conversation, asks the policy through ``client.chat`` and returns the reward.
 """
 
 from __future__ import annotations
@@ -36,3 +40,19 @@ class GuessNumber:
         if guess == self.secret:
             return "Correct.", 1.0, True, False, {}
         return ("Higher." if guess < self.secret else "Lower."), 0.0, False, False, {}
+
+
+async def guess_agent(client: Any, row: dict[str, Any], high: int = 8, turns: int = 4) -> float:
+    """Guess the number as an agent loop of one's own: the secret follows the row (a
+    group's episodes play one game), the game's answers are user messages, the reward is 1
+    for the right guess within ``turns``, else 0."""
+    game = GuessNumber(high)
+    prompt, _ = game.reset(seed=int(row["index"]))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    for _ in range(turns):
+        reply = await client.chat(messages)
+        answer, reward, done, _, _ = game.step(reply["content"] or "")
+        if done:
+            return reward
+        messages += [reply, {"role": "user", "content": answer}]
+    return 0.0

@@ -1,0 +1,338 @@
+"""Agent code that drives its own episode (``env.episode: my_agent:run``).
+
+A user with an agent loop of their own writes it as one async function; yatt calls it once
+per sample with a client and the data row, and trains on what the calls sampled::
+
+    async def run(client, row) -> float | dict:                # the reward, or {"reward": r, ...}
+        messages = [{"role": "user", "content": row["prompt"]}]
+        reply = await client.chat(messages, tools=[...])      # an OpenAI-shaped assistant message
+        messages.append(reply)                                # (tool calls, if the model made any)
+        messages.append({"role": "tool", "content": "21", "tool_call_id": reply["tool_calls"][0]["id"]})
+        reply = await client.chat(messages)
+        return float(reply["content"].strip() == row["answer"])
+
+``client.generate(ids)`` is token in, token out (a ``Generation``: the ids sampled, their
+log-probs, the text); ``client.chat(messages, tools=)`` renders through the run's renderer
+(yatt/rl/agents/render.py) and returns the assistant's message, its tokens kept. Each call
+is one turn of the episode, recorded in the ledger once the next call (or the end) shows
+what followed it.
+
+One row per sample, as the model saw it: every call's ids must extend the previous call's
+ids and reply (what was appended between them are the observation's tokens, masked out of
+the loss). Chat calls extend by construction while the conversation only grows: the new
+messages are rendered after the kept reply, never re-tokenised. A call that rewrites the
+history (a summary, a sub-agent, an edited message) raises ``HistoryRewritten``: a forked
+row is not trained yet, and the episode ends as ``env_error``, trained as far as it got.
+
+Limits are the environment's (``env.*``): the call after ``env.max_turns`` calls, or one with
+no room left in the context budget, raises ``EpisodeOver`` (the episode ends as
+'max_turns' / 'budget'; a function that catches it may still return its reward); the
+function's own time between calls is bounded by ``env.episode_timeout_s`` (generation not
+counted; past it the episode ends as 'timeout'); a function that raises ends its episode
+as 'env_error' with the reason. It runs in the controller's event loop: it must be
+``async def`` and must not block (run blocking work with ``asyncio.to_thread``).
+
+Resuming: a restarted controller runs the function again with the episode's recorded
+turns: each of its calls up to the last recorded one is answered from the record (no
+generation), checked to present the recorded tokens; a call that does not, or an end that
+differs from the recorded one, raises ``Diverged`` and the episode runs again from its
+start. The function must be deterministic in the row and the replies it gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from yatt.errors import PluginError
+from yatt.rl.agents.episodes import Diverged, Generate, Record, Trajectory, Turn
+from yatt.rl.agents.render import Renderer
+from yatt.rl.agents.tools import ToolCallError, parse_tool_calls
+from yatt.rl.config import EnvConfig
+from yatt.runtime.plugins import load_plugin
+
+EPISODE = "an async function run(client, row) -> float | dict (the reward, or a dict with a 'reward' key)"
+Episode = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One call's reply, token in, token out."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str  # the ids decoded, special tokens skipped
+    finish_reason: str  # 'stop' or 'length'
+
+
+class EpisodeOver(Exception):
+    """The episode's limit is reached (``ended``: 'max_turns' or 'budget'): no call after it."""
+
+    def __init__(self, ended: str, message: str) -> None:
+        super().__init__(message)
+        self.ended = ended
+
+
+class NoCall(ValueError):
+    """The function ended before its first call: no prompt, nothing to train."""
+
+
+class HistoryRewritten(Exception):
+    """A call whose ids do not extend the previous call's ids and reply."""
+
+
+def load_episode(path: str) -> Episode:
+    """The user's episode function (``env.episode``), checked to be ``async def`` taking
+    (client, row); ``PluginError`` naming the field and the fix otherwise."""
+    fn = load_plugin(path, field="env.episode", expects=EPISODE)
+    if not inspect.iscoroutinefunction(fn):
+        raise PluginError(f"env.episode: {path!r} is not an async function; it must be {EPISODE}")
+    try:
+        inspect.signature(fn).bind(None, {})
+    except TypeError as e:
+        raise PluginError(f"env.episode: {path!r} cannot be called as run(client, row) ({e}); it must be {EPISODE}") from e
+    return fn
+
+
+class EpisodeClient:
+    """What the user's function calls; one per episode (see the module docstring)."""
+
+    def __init__(
+        self, runner: AgentRunner, generate: Generate, *, recorded: list[Turn], record: Record | None
+    ) -> None:  # fmt: skip
+        self._runner = runner
+        self._generate = generate
+        self._replay = recorded
+        self._record = record
+        self.prompt_ids: list[int] | None = None  # the first call's ids
+        self.out = Trajectory()
+        self._pending: Turn | None = None  # the last turn, until what follows it is known
+        self._chat: list[dict[str, Any]] | None = None  # the last chat call's messages and reply
+        self.generating_s = 0.0
+        self.diverged: Diverged | None = None  # (raised into the user's code, which may catch it)
+        self.over: EpisodeOver | None = None  # (likewise)
+        self._since: float | None = None  # when the generation under way began
+
+    # ------------------------------------------------------------------ the user's calls
+
+    async def generate(self, ids: Sequence[int], *, max_tokens: int | None = None) -> Generation:
+        """Sample the policy's next turn after ``ids`` (the whole context, prompt included):
+        at most ``max_tokens`` (default: controller.max_new_tokens, and the context left)."""
+        ids = [int(i) for i in ids]
+        runner = self._runner
+        index = self.out.info.turns
+        obs = self._observation(ids) if self.prompt_ids is not None else []
+        room = runner.budget - len(ids)
+        if index >= runner.config.max_turns:  # (the last turn keeps no observation: nothing reads it)
+            self.over = EpisodeOver("max_turns", f"env.max_turns={runner.config.max_turns} calls made: the episode is over")
+        elif room <= 0:
+            self.over = EpisodeOver("budget", f"{len(ids)} tokens fill the episode's context budget ({runner.budget}): the episode is over")
+        if self.over is not None:
+            raise self.over
+        if self.prompt_ids is None:
+            self.prompt_ids = ids
+        else:
+            await self.close_turn(obs)
+        budget = min(max_tokens or runner.max_new_tokens, runner.max_new_tokens, room)
+        if index < len(self._replay):
+            turn = self._replay[index]
+            token_ids, logprobs, version, finish = turn.token_ids, turn.logprobs, turn.version, turn.finish_reason
+        else:
+            self._since = time.monotonic()
+            try:
+                sampled = await self._generate(ids, budget)
+            finally:
+                self.generating_s += time.monotonic() - self._since
+                self._since = None
+            token_ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
+            version, finish = sampled.policy_version_min, sampled.finish_reason
+        self.out.add(token_ids, logprobs=logprobs, version=version)
+        self.out.finish_reason = finish
+        self.out.info = replace(self.out.info, turns=index + 1)
+        self._pending = Turn(
+            index=index, token_ids=token_ids, logprobs=logprobs, version=version, finish_reason=finish, obs_ids=[],
+            reward=None, tool_errors=0,
+        )  # fmt: skip
+        return Generation(token_ids=token_ids, logprobs=logprobs, text=runner.decode(token_ids), finish_reason=finish)
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, max_tokens: int | None = None
+    ) -> dict[str, Any]:  # fmt: skip
+        """The assistant's reply to ``messages`` (OpenAI's chat shape), rendered by the run's
+        renderer: the first call's messages (and ``tools``, JSON schemas as OpenAI's) as a
+        prompt; a later call's messages must start with the previous call's and its reply,
+        and only the messages after them are rendered. The reply: ``{"role": "assistant",
+        "content": text, "tool_calls": [...]}`` (tool calls parsed in ``env.protocol``'s
+        format; none when they do not parse: the text is the content)."""
+        runner = self._runner
+        if self._chat is None:
+            ids = runner.renderer.prompt([dict(m) for m in messages], tools=tools)
+        else:
+            kept = len(self._chat)
+            if [_comparable(m) for m in messages[:kept]] != [_comparable(m) for m in self._chat]:
+                raise HistoryRewritten(
+                    f"chat call {self.out.info.turns}: the messages do not start with the previous call's messages and "
+                    "its reply; a rewritten history would fork a new row, which yatt does not train yet: keep the "
+                    "conversation append-only (append the reply as returned, then the new messages)"
+                )
+            new = [dict(m) for m in messages[kept:]]
+            if not new:
+                raise HistoryRewritten(f"chat call {self.out.info.turns}: no new message after the previous reply")
+            assert self.prompt_ids is not None
+            last = self.out.turns[-1]
+            ended_with_eos = last[1] > last[0] and self.out.ids[last[1] - 1] in runner.eos_ids
+            ids = [*self.prompt_ids, *self.out.ids, *runner.renderer.observation(new, ended_with_eos=ended_with_eos)]
+        reply = await self.generate(ids, max_tokens=max_tokens)
+        message = _assistant(reply.text, runner.config, self.out.info.turns - 1)
+        self._chat = [*(_comparable(m) for m in messages), _comparable(message)]
+        return message
+
+    # ------------------------------------------------------------------ the runner's side
+
+    def _observation(self, ids: list[int]) -> list[int]:
+        """What ``ids`` appends to the episode so far; ``HistoryRewritten`` when it does not extend it."""
+        assert self.prompt_ids is not None
+        so_far = [*self.prompt_ids, *self.out.ids]
+        if ids[: len(so_far)] != so_far:
+            at = next((i for i, (a, b) in enumerate(zip(ids, so_far, strict=False)) if a != b), min(len(ids), len(so_far)))
+            raise HistoryRewritten(
+                f"call {self.out.info.turns}: its ids do not extend the previous call's ids and reply (they differ from "
+                f"token {at} of {len(so_far)}); a rewritten history would fork a new row, which yatt does not train "
+                "yet: append to the context, do not edit it"
+            )
+        return ids[len(so_far) :]
+
+    async def close_turn(self, obs_ids: list[int], *, reward: float | None = None, ended: str = "", detail: str = "") -> None:
+        """The pending turn is finished: what followed it is known. Recorded, or checked
+        against its record when replayed."""
+        turn, self._pending = self._pending, None
+        if turn is None:
+            return
+        done = replace(turn, obs_ids=obs_ids, reward=reward, ended=ended, detail=detail)
+        rewards = [*self.out.info.turn_rewards, math.nan if reward is None else reward]
+        self.out.info = replace(self.out.info, turn_rewards=rewards, ended=ended, detail=detail)
+        if done.index < len(self._replay):
+            kept = self._replay[done.index]
+            if (kept.obs_ids, kept.ended, kept.reward) != (done.obs_ids, done.ended, done.reward):
+                self.diverged = Diverged(
+                    f"turn {done.index} replayed to another outcome than recorded (observation of {len(done.obs_ids)} "
+                    f"tokens vs {len(kept.obs_ids)}, ended {done.ended!r} vs {kept.ended!r}, reward {done.reward} vs "
+                    f"{kept.reward}): env.episode is not deterministic in its row and the replies it gets"
+                )
+                raise self.diverged
+        elif self._record is not None:
+            await self._record(done)
+        self.out.add(obs_ids)
+
+    def user_s(self, began: float) -> float:
+        """The function's own time since ``began``: generation not counted."""
+        generating = self.generating_s + (time.monotonic() - self._since if self._since is not None else 0.0)
+        return time.monotonic() - began - generating
+
+
+class AgentRunner:
+    """Runs ``env.episode`` functions, one per sample, with one renderer and one set of limits."""
+
+    def __init__(
+        self, config: EnvConfig, renderer: Renderer, *, decode: Callable[[list[int]], str], eos_ids: set[int],
+        max_new_tokens: int, context: int, episode: Episode | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.renderer = renderer
+        self.decode = decode
+        self.eos_ids = eos_ids
+        self.max_new_tokens = max_new_tokens
+        self.budget = min(config.max_total_tokens or context, context)
+        self.episode = episode if episode is not None else load_episode(config.episode)
+
+    async def run(
+        self, row: dict[str, Any], generate: Generate, *, recorded: list[Turn] | None = None, record: Record | None = None
+    ) -> tuple[list[int], Trajectory]:  # fmt: skip
+        """One episode: (its prompt, the first call's ids; its trajectory after the prompt).
+        A function that ends before any call leaves nothing to train: ``NoCall``."""
+        client = EpisodeClient(self, generate, recorded=list(recorded or []), record=record)
+        began, reward, ended, detail = time.monotonic(), None, "done", ""
+        task = asyncio.ensure_future(self.episode(client, dict(row)))
+        try:
+            while True:
+                left = self.config.episode_timeout_s - client.user_s(began)
+                done, _ = await asyncio.wait({task}, timeout=max(left, 1e-3))
+                if done:
+                    break
+                if client.user_s(began) >= self.config.episode_timeout_s:
+                    task.cancel()
+                    ended, detail = "timeout", f"env.episode took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
+                    break
+            if ended == "done":
+                reward, ended, detail = self._outcome(task)
+                if client.over is not None and ended == "done":  # (caught, and a reward said after it)
+                    ended, detail = client.over.ended, str(client.over)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if client.diverged is not None:
+            raise client.diverged
+        if client.prompt_ids is None:
+            raise NoCall(f"env.episode {self.config.episode!r} ended ({ended}: {detail or 'returned'}) before any call")
+        await client.close_turn([], reward=reward, ended=ended, detail=detail)
+        if client.diverged is not None:
+            raise client.diverged
+        client.out.info = replace(client.out.info, ended=ended, detail=detail)
+        return client.prompt_ids, client.out
+
+    def _outcome(self, task: asyncio.Future[Any]) -> tuple[float | None, str, str]:
+        """(reward, how the episode ended, why) from the finished function."""
+        error = task.exception()
+        if isinstance(error, EpisodeOver):
+            return None, error.ended, str(error)
+        if error is not None:
+            return None, "env_error", f"env.episode {self.config.episode!r}: {type(error).__name__}: {error}"
+        value = task.result()
+        if isinstance(value, dict):
+            value = value.get("reward")
+        if isinstance(value, bool | int | float) and math.isfinite(float(value)):
+            return float(value), "done", ""
+        if value is None:
+            return None, "done", ""
+        return None, "env_error", f"env.episode {self.config.episode!r} returned {value!r}, not {EPISODE}"
+
+
+def _assistant(text: str, config: EnvConfig, turn: int) -> dict[str, Any]:
+    """The reply as OpenAI's assistant message: tool calls parsed in ``env.protocol``'s format."""
+    try:
+        calls = parse_tool_calls(text, protocol=config.protocol)
+    except ToolCallError:
+        calls = []
+    if not calls:
+        return {"role": "assistant", "content": text}
+    content = text[: text.find(calls[0].text)].strip()
+    return {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [
+            {
+                "id": f"call_{turn}_{i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(_arguments(c.args, c.kwargs))},
+            }
+            for i, c in enumerate(calls)
+        ],
+    }
+
+
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments as one JSON object (positional ones, from the tags protocol, by index)."""
+    return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+
+
+def _comparable(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as compared between calls: its role, content and tool calls."""
+    return {k: message.get(k) for k in ("role", "content", "tool_calls", "tool_call_id") if message.get(k) is not None}
+

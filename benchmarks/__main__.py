@@ -28,6 +28,7 @@ BENCHMARKS = {
     "staleness": "benchmarks.staleness",
     "transport": "benchmarks.transport",
     "agents": "benchmarks.agents",
+    "endpoint": "benchmarks.endpoint",
 }
 
 

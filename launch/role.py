@@ -179,6 +179,7 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | Ag
 
     from launch.checks import episode_context
     from yatt.rl.agents.client import AgentRunner
+    from yatt.rl.agents.endpoint import Endpoint
     from yatt.rl.agents.envs import env_factory
     from yatt.rl.agents.episodes import EpisodeRunner
     from yatt.rl.agents.render import Renderer, self_check
@@ -193,7 +194,10 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | Ag
     eos_ids = {int(i) for i in [*eos, tokenizer.eos_token_id] if i is not None}
     new_tokens = cfg.controller.max_new_tokens
     runner: EpisodeRunner | AgentRunner = (
-        AgentRunner(cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context)
+        AgentRunner(
+            cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context,
+            endpoint=Endpoint(Path(cfg.model.path).name or "policy"),
+        )
         if cfg.env.episode
         else EpisodeRunner(cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context)
     )

@@ -88,6 +88,8 @@ def test_generation_quick_measures_every_column(tmp_path: Path) -> None:
         (["placement", "--set", "workloads=[judges]"], "workloads unknown ['judges']"),
         (["placement", "--set", "sizes=[4]"], "sizes must all be >= 8 GPUs (got [4])"),
         (["placement", "--set", "live_repeats=0"], "live_repeats must be >= 1 (got 0)"),
+        (["endpoint", "--set", "model=gpt2"], "endpoint.model must be tiny or smollm2"),
+        (["endpoint", "--set", "turns=0"], "endpoint.turns must be >= 1 (got 0)"),
     ],
 )
 def test_bad_options_are_refused_with_the_field_named(
@@ -173,3 +175,13 @@ def test_agents_quick_measures_each_mode(tmp_path: Path) -> None:
     assert figures["trl_turn_s"] == pytest.approx(8 / figures["trl_episodes_per_s"] / 2)
     assert set(ratios) == {"yatt_vs_lockstep", "yatt_vs_trl", "record_cost_share", "env_role_vs_inline"}
     assert all(math.isfinite(v) and v > 0 for v in ratios.values())
+
+
+def test_endpoint_quick_measures_each_way_of_asking(tmp_path: Path) -> None:
+    """The same episodes asked directly, over HTTP and through the openai SDK: every mode
+    ran its turns, and the ratios are the added time over the direct turn."""
+    data = run_quick("endpoint", tmp_path)
+    figures, ratios = data["figures"], data["ratios"]
+    assert all(figures[f"{mode}_turn_s"] > 0 and figures[f"{mode}_calls_per_s"] > 0 for mode in ("direct", "http", "openai"))
+    assert set(ratios) == {"endpoint_cost_share", "openai_sdk_cost_share"}
+    assert ratios["endpoint_cost_share"] == pytest.approx(figures["http_added_s_per_turn"] / figures["direct_turn_s"])

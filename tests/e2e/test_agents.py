@@ -27,7 +27,7 @@ def lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("example", ["agent_guess", "agent_calculator", "agent_client"])
+@pytest.mark.parametrize("example", ["agent_guess", "agent_calculator", "agent_client", "agent_openai"])
 def test_the_agent_examples_run_episodes(tmp_path: Path, example: str) -> None:
     run_dir = tmp_path / example
     run(run_dir, str(REPO / "examples" / f"{example}.yaml"), "run.steps=3", "model.warm_start_steps=20")

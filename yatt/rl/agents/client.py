@@ -48,7 +48,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from yatt.errors import PluginError
 from yatt.rl.agents.episodes import Diverged, Generate, Record, Trajectory, Turn
@@ -100,6 +100,17 @@ def load_episode(path: str) -> Episode:
     return fn
 
 
+class Serves(Protocol):
+    """What serves episodes over HTTP (``yatt.rl.agents.endpoint.Endpoint``)."""
+
+    base_url: str
+
+    async def start(self) -> None: ...
+    def open(self, client: EpisodeClient) -> str: ...
+    def forget(self, key: str) -> None: ...
+    def openai(self, key: str) -> Any: ...
+
+
 class EpisodeClient:
     """What the user's function calls; one per episode (see the module docstring)."""
 
@@ -114,17 +125,40 @@ class EpisodeClient:
         self.out = Trajectory()
         self._pending: Turn | None = None  # the last turn, until what follows it is known
         self._chat: list[dict[str, Any]] | None = None  # the last chat call's messages and reply
+        self._tools: list[dict[str, Any]] | None = None  # the last tool schemas a chat call gave
         self.generating_s = 0.0
+        self.base_url = ""  # the run's OpenAI-compatible endpoint (its /v1), where it serves one
+        self.api_key = ""  # this episode's key there
+        self.endpoint: Serves | None = None
+        self.last_prompt_tokens = 0  # the last call's context, in tokens
+        self._lock = asyncio.Lock()  # (one call at a time: a second one at once would fork the row)
+        self.rewritten: HistoryRewritten | None = None  # (raised into the user's code, which may catch it)
         self.diverged: Diverged | None = None  # (raised into the user's code, which may catch it)
         self.over: EpisodeOver | None = None  # (likewise)
         self._since: float | None = None  # when the generation under way began
 
     # ------------------------------------------------------------------ the user's calls
 
+    def openai(self) -> Any:
+        """An ``openai.AsyncOpenAI`` client of this episode on the run's endpoint (its
+        connections shared with the other episodes: no client start-up per episode)."""
+        if self.endpoint is None:
+            raise RuntimeError("no OpenAI-compatible endpoint serves this episode")
+        return self.endpoint.openai(self.api_key)
+
+    @property
+    def last_turn(self) -> Turn:
+        """The last call's turn as sampled."""
+        assert self._pending is not None
+        return self._pending
+
     async def generate(self, ids: Sequence[int], *, max_tokens: int | None = None) -> Generation:
         """Sample the policy's next turn after ``ids`` (the whole context, prompt included):
         at most ``max_tokens`` (default: controller.max_new_tokens, and the context left)."""
-        ids = [int(i) for i in ids]
+        async with self._lock:
+            return await self._generate_after([int(i) for i in ids], max_tokens)
+
+    async def _generate_after(self, ids: list[int], max_tokens: int | None) -> Generation:
         runner = self._runner
         index = self.out.info.turns
         obs = self._observation(ids) if self.prompt_ids is not None else []
@@ -139,6 +173,7 @@ class EpisodeClient:
             self.prompt_ids = ids
         else:
             await self.close_turn(obs)
+        self.last_prompt_tokens = len(ids)
         budget = min(max_tokens or runner.max_new_tokens, runner.max_new_tokens, room)
         if index < len(self._replay):
             turn = self._replay[index]
@@ -170,30 +205,41 @@ class EpisodeClient:
         and only the messages after them are rendered. The reply: ``{"role": "assistant",
         "content": text, "tool_calls": [...]}`` (tool calls parsed in ``env.protocol``'s
         format; none when they do not parse: the text is the content)."""
+        async with self._lock:
+            return await self._chat_after(messages, tools, max_tokens)
+
+    async def _chat_after(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, max_tokens: int | None
+    ) -> dict[str, Any]:  # fmt: skip
         runner = self._runner
+        self._tools = tools or self._tools
         if self._chat is None:
             ids = runner.renderer.prompt([dict(m) for m in messages], tools=tools)
         else:
             kept = len(self._chat)
             if [_comparable(m) for m in messages[:kept]] != [_comparable(m) for m in self._chat]:
-                raise HistoryRewritten(
+                raise self._rewritten(
                     f"chat call {self.out.info.turns}: the messages do not start with the previous call's messages and "
                     "its reply; a rewritten history would fork a new row, which yatt does not train yet: keep the "
                     "conversation append-only (append the reply as returned, then the new messages)"
                 )
             new = [dict(m) for m in messages[kept:]]
             if not new:
-                raise HistoryRewritten(f"chat call {self.out.info.turns}: no new message after the previous reply")
+                raise self._rewritten(f"chat call {self.out.info.turns}: no new message after the previous reply")
             assert self.prompt_ids is not None
             last = self.out.turns[-1]
             ended_with_eos = last[1] > last[0] and self.out.ids[last[1] - 1] in runner.eos_ids
             ids = [*self.prompt_ids, *self.out.ids, *runner.renderer.observation(new, ended_with_eos=ended_with_eos)]
-        reply = await self.generate(ids, max_tokens=max_tokens)
-        message = _assistant(reply.text, runner.config, self.out.info.turns - 1)
+        reply = await self._generate_after(ids, max_tokens)
+        message = _assistant(reply.text, runner.config, self.out.info.turns - 1, self._tools or [])
         self._chat = [*(_comparable(m) for m in messages), _comparable(message)]
         return message
 
     # ------------------------------------------------------------------ the runner's side
+
+    def _rewritten(self, message: str) -> HistoryRewritten:
+        self.rewritten = HistoryRewritten(message)
+        return self.rewritten
 
     def _observation(self, ids: list[int]) -> list[int]:
         """What ``ids`` appends to the episode so far; ``HistoryRewritten`` when it does not extend it."""
@@ -201,7 +247,7 @@ class EpisodeClient:
         so_far = [*self.prompt_ids, *self.out.ids]
         if ids[: len(so_far)] != so_far:
             at = next((i for i, (a, b) in enumerate(zip(ids, so_far, strict=False)) if a != b), min(len(ids), len(so_far)))
-            raise HistoryRewritten(
+            raise self._rewritten(
                 f"call {self.out.info.turns}: its ids do not extend the previous call's ids and reply (they differ from "
                 f"token {at} of {len(so_far)}); a rewritten history would fork a new row, which yatt does not train "
                 "yet: append to the context, do not edit it"
@@ -241,7 +287,7 @@ class AgentRunner:
 
     def __init__(
         self, config: EnvConfig, renderer: Renderer, *, decode: Callable[[list[int]], str], eos_ids: set[int],
-        max_new_tokens: int, context: int, episode: Episode | None = None,
+        max_new_tokens: int, context: int, episode: Episode | None = None, endpoint: Serves | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.renderer = renderer
@@ -250,6 +296,7 @@ class AgentRunner:
         self.max_new_tokens = max_new_tokens
         self.budget = min(config.max_total_tokens or context, context)
         self.episode = episode if episode is not None else load_episode(config.episode)
+        self.endpoint = endpoint
 
     async def run(
         self, row: dict[str, Any], generate: Generate, *, recorded: list[Turn] | None = None, record: Record | None = None
@@ -257,6 +304,10 @@ class AgentRunner:
         """One episode: (its prompt, the first call's ids; its trajectory after the prompt).
         A function that ends before any call leaves nothing to train: ``NoCall``."""
         client = EpisodeClient(self, generate, recorded=list(recorded or []), record=record)
+        if self.endpoint is not None:
+            await self.endpoint.start()
+            client.base_url, client.api_key = self.endpoint.base_url, self.endpoint.open(client)
+            client.endpoint = self.endpoint
         began, reward, ended, detail = time.monotonic(), None, "done", ""
         task = asyncio.ensure_future(self.episode(client, dict(row)))
         try:
@@ -273,10 +324,14 @@ class AgentRunner:
                 reward, ended, detail = self._outcome(task)
                 if client.over is not None and ended == "done":  # (caught, and a reward said after it)
                     ended, detail = client.over.ended, str(client.over)
+                if client.rewritten is not None and ended != "env_error":  # (caught: the row is not what was asked)
+                    reward, ended, detail = None, "env_error", f"HistoryRewritten: {client.rewritten}"
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            if self.endpoint is not None:
+                self.endpoint.forget(client.api_key)
         if client.diverged is not None:
             raise client.diverged
         if client.prompt_ids is None:
@@ -304,8 +359,9 @@ class AgentRunner:
         return None, "env_error", f"env.episode {self.config.episode!r} returned {value!r}, not {EPISODE}"
 
 
-def _assistant(text: str, config: EnvConfig, turn: int) -> dict[str, Any]:
-    """The reply as OpenAI's assistant message: tool calls parsed in ``env.protocol``'s format."""
+def _assistant(text: str, config: EnvConfig, turn: int, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reply as OpenAI's assistant message: tool calls parsed in ``env.protocol``'s format
+    (a tags call's positional arguments named after the tool's schema, where it has one)."""
     try:
         calls = parse_tool_calls(text, protocol=config.protocol)
     except ToolCallError:
@@ -320,16 +376,19 @@ def _assistant(text: str, config: EnvConfig, turn: int) -> dict[str, Any]:
             {
                 "id": f"call_{turn}_{i}",
                 "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(_arguments(c.args, c.kwargs))},
+                "function": {"name": c.name, "arguments": json.dumps(_arguments(c.name, c.args, c.kwargs, tools))},
             }
             for i, c in enumerate(calls)
         ],
     }
 
 
-def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call's arguments as one JSON object (positional ones, from the tags protocol, by index)."""
-    return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """A call's arguments as one JSON object: positional ones (the tags protocol's) by the
+    names of the tool's parameters in its schema, by index where there are none."""
+    schema: dict[str, Any] = next((t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name), {})
+    names = list(schema.get("parameters", {}).get("properties", {}))
+    return {**{names[i] if i < len(names) else str(i): a for i, a in enumerate(args)}, **kwargs}
 
 
 def _comparable(message: dict[str, Any]) -> dict[str, Any]:

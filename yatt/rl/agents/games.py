@@ -8,13 +8,23 @@ user's environment.
 ``guess_agent`` (``env.episode: yatt.rl.agents.games:guess_agent``): the same game written
 as agent code that drives its own episode (yatt/rl/agents/client.py): it keeps the
 conversation, asks the policy through ``client.chat`` and returns the reward.
+
+``calculator_agent`` (``env.episode: yatt.rl.agents.games:calculator_agent``): an agent
+written against the ``openai`` SDK, as one is written for any OpenAI-compatible server:
+tool calling with a calculator it runs itself, through the run's endpoint
+(yatt/rl/agents/endpoint.py); only its client (``client.openai()``, an
+``openai.AsyncOpenAI`` with the episode's base URL and key) is yatt's.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from typing import Any
+
+from yatt.rl.agents.tools import calculator
+from yatt.rl.tasks import digits_reward
 
 
 class GuessNumber:
@@ -55,4 +65,38 @@ async def guess_agent(client: Any, row: dict[str, Any], high: int = 8, turns: in
         if done:
             return reward
         messages += [reply, {"role": "user", "content": answer}]
+    return 0.0
+
+
+CALCULATOR: Any = {  # (OpenAI's tool schema; typed as the SDK's TypedDict it is)
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": 'The expression, e.g. "3 + 4".'}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+async def calculator_agent(client: Any, row: dict[str, Any], turns: int = 3) -> float:
+    """Answer the row's question with a calculator tool, through the OpenAI chat API: each
+    tool call the model makes is run and answered as a tool message; the first reply without
+    one is the answer, scored by ``digits_reward`` (0 when no answer comes within ``turns``)."""
+    llm = client.openai()  # openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key), its connections shared
+    messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(turns):
+        reply = (await llm.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])).choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        if not reply.tool_calls:
+            return digits_reward(row["prompt"], reply.content or "", row)
+        for call in reply.tool_calls:
+            try:
+                result = calculator(**json.loads(call.function.arguments))
+            except Exception as e:  # the model's arguments: its error is the tool's answer
+                result = f"error: {e}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0

@@ -157,18 +157,22 @@ async def test_a_recorded_episode_replays_its_turns_without_generating(tokenizer
 
 
 async def test_chat_replies_carry_the_tool_calls_in_openais_shape(tokenizer: Any) -> None:
+    add = {"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {}, "b": {}}}}}
+
     async def agent(client: Any, row: dict[str, Any]) -> float:
-        reply = await client.chat([{"role": "user", "content": "add"}])
-        agent.reply = reply  # type: ignore[attr-defined]
+        agent.replies = [await client.chat([{"role": "user", "content": "add"}], tools=row["tools"])]  # type: ignore[attr-defined]
         return 0.0
 
     run = runner(tokenizer, agent)
     run.max_new_tokens = 64
-    await play(run, policy(tokenizer, text='sure <tool>add(2, b=3)</tool>'))
-    assert agent.reply == {  # type: ignore[attr-defined]
-        "role": "assistant", "content": "sure",
-        "tool_calls": [{"id": "call_0_0", "type": "function", "function": {"name": "add", "arguments": '{"0": 2, "b": 3}'}}],
-    }  # fmt: skip
+    for tools, a in ((None, "0"), ([add], "a")):  # (positional arguments named by the tool's schema)
+        await play(run, policy(tokenizer, text='sure <tool>add(2, b=3)</tool>'), row={"index": 0, "tools": tools})
+        assert agent.replies[0] == {  # type: ignore[attr-defined]
+            "role": "assistant", "content": "sure",
+            "tool_calls": [
+                {"id": "call_0_0", "type": "function", "function": {"name": "add", "arguments": f'{{"{a}": 2, "b": 3}}'}}
+            ],
+        }  # fmt: skip
 
 
 def test_agent_code_that_cannot_drive_an_episode_is_refused_naming_it() -> None:

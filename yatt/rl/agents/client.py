@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from yatt.errors import PluginError
-from yatt.rl.agents.episodes import Diverged, Generate, Record, Trajectory, Turn
+from yatt.rl.agents.episodes import Diverged, Generate, Record, Runner, Trajectory, Turn
 from yatt.rl.agents.render import Renderer
 from yatt.rl.agents.tools import ToolCallError, parse_tool_calls
 from yatt.rl.config import EnvConfig
@@ -282,19 +282,16 @@ class EpisodeClient:
         return time.monotonic() - began - generating
 
 
-class AgentRunner:
-    """Runs ``env.episode`` functions, one per sample, with one renderer and one set of limits."""
+class AgentRunner(Runner):
+    """Runs ``env.episode`` functions, one per sample."""
 
     def __init__(
         self, config: EnvConfig, renderer: Renderer, *, decode: Callable[[list[int]], str], eos_ids: set[int],
         max_new_tokens: int, context: int, episode: Episode | None = None, endpoint: Serves | None = None,
     ) -> None:  # fmt: skip
-        self.config = config
-        self.renderer = renderer
-        self.decode = decode
-        self.eos_ids = eos_ids
-        self.max_new_tokens = max_new_tokens
-        self.budget = min(config.max_total_tokens or context, context)
+        """As ``Runner``; ``episode``: the function (default: ``env.episode`` loaded);
+        ``endpoint``: the OpenAI-compatible endpoint that serves its episodes, if any."""
+        super().__init__(config, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=max_new_tokens, context=context)
         self.episode = episode if episode is not None else load_episode(config.episode)
         self.endpoint = endpoint
 

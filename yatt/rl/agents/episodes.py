@@ -96,8 +96,8 @@ class Trajectory:
         return sum(r for r in self.info.turn_rewards if not math.isnan(r))
 
 
-class EpisodeRunner:
-    """Runs episodes against new environments with one renderer and one set of limits."""
+class Runner:
+    """What runs a controller's episodes: one renderer and one set of limits."""
 
     def __init__(
         self, config: EnvConfig, renderer: Renderer, *, decode: Callable[[list[int]], str], eos_ids: set[int],
@@ -112,6 +112,10 @@ class EpisodeRunner:
         self.eos_ids = eos_ids
         self.max_new_tokens = max_new_tokens
         self.budget = min(config.max_total_tokens or context, context)
+
+
+class EpisodeRunner(Runner):
+    """Runs episodes against new environments (Gymnasium's reset/step, or the tools')."""
 
     async def start(self, env: Any, *, seed: int, row: dict[str, Any], prompt_ids: list[int]) -> list[int]:
         """The episode's prompt: ``env.reset``'s observation rendered as the first prompt (the

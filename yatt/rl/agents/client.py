@@ -310,7 +310,7 @@ class AgentRunner(Runner):
         try:
             while True:
                 left = self.config.episode_timeout_s - client.user_s(began)
-                done, _ = await asyncio.wait({task}, timeout=max(left, 1e-3))
+                done, _ = await asyncio.wait({task}, timeout=max(left, 0.05))  # (not a busy wait while it generates)
                 if done:
                     break
                 if client.user_s(began) >= self.config.episode_timeout_s:

@@ -31,9 +31,11 @@ endpoint keeps serving. ``tool_choice`` ``none`` renders the request without its
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import secrets
+import socket
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -65,19 +67,21 @@ class Endpoint:
         self._runner: web.AppRunner | None = None
         self.base_url = ""
         self._http: Any = None  # the episodes' openai clients' connections (the SDK's own httpx client)
+        self._starting = asyncio.Lock()
 
     async def start(self) -> None:
-        if self._runner is not None:
-            return
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/chat/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, HOST, 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # (port 0: the one the OS gave)
-        self._runner, self.base_url = runner, f"http://{HOST}:{port}/v1"
+        """Listen on a free port of loopback, once (episodes starting together wait for it)."""
+        async with self._starting:
+            if self._runner is not None:
+                return
+            app = web.Application(client_max_size=64 << 20)
+            app.router.add_post("/v1/chat/completions", self._completions)
+            app.router.add_get("/v1/models", self._models)
+            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await runner.setup()
+            listening = socket.create_server((HOST, 0))
+            await web.SockSite(runner, listening).start()
+            self._runner, self.base_url = runner, f"http://{HOST}:{listening.getsockname()[1]}/v1"
 
     async def close(self) -> None:
         if self._http is not None:

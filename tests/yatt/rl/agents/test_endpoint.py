@@ -5,6 +5,7 @@ ends the episode."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,23 @@ async def test_a_rewritten_history_through_the_endpoint_ends_the_episode(tokeniz
         await endpoint.close()
     assert out.info.ended == "env_error" and "HistoryRewritten" in out.info.detail and out.env_reward == 0.0
     assert out.info.turns == 1 and all(out.mask)
+
+
+async def test_episodes_starting_together_share_one_server() -> None:
+    import psutil
+
+    def listening() -> int:
+        return sum(c.status == psutil.CONN_LISTEN for c in psutil.Process().net_connections(kind="tcp"))
+
+    endpoint, before = Endpoint("tiny"), listening()
+    try:
+        await asyncio.gather(*(endpoint.start() for _ in range(4)))
+        assert listening() == before + 1
+        first = endpoint.base_url
+        await endpoint.start()
+        assert endpoint.base_url == first and first.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient() as http:
+            answer = await http.get(f"{first}/models", headers={"Authorization": "Bearer nobody"})
+        assert answer.status_code == 401
+    finally:
+        await endpoint.close()

@@ -31,7 +31,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy yatt protocols workers launch benchmarks tests
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

@@ -74,6 +74,42 @@ def with_run_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
     return dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, curve=True, curve_keys_dir=str(keys)))
 
 
+def demonstrated(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> dict[int, tuple[list[int], list[bool]]]:
+    """The training rows of the prompts that carry a demonstration, by prompt index: each
+    played through the run's own episode code (its environment or tools, or its
+    ``env.episode`` function and endpoint), as a rollout of those turns would be."""
+    import asyncio
+
+    from launch.role import episode_runner
+    from yatt.rl.agents.client import AgentRunner
+    from yatt.rl.agents.demonstrations import actions_of, play
+    from yatt.rl.agents.envs import env_factory
+
+    todo = [(p, actions) for p in prompts if (actions := actions_of(p.metadata, index=p.index)) is not None]
+    if not todo:
+        return {}
+    runner, _ = episode_runner(cfg, model_path)
+    new_env = None if isinstance(runner, AgentRunner) else env_factory(cfg.env)
+    eos_id = runner.renderer.eos_id
+    if eos_id is None:
+        raise ConfigError(f"the tokenizer of {model_path} has no EOS token, which ends a demonstrated answer")
+
+    async def play_all() -> dict[int, tuple[list[int], list[bool]]]:
+        try:
+            return {
+                p.index: await play(
+                    runner, {**p.metadata, "prompt": p.text, "index": p.index}, actions, prompt_ids=list(p.prompt_ids),
+                    new_env=new_env, eos_id=eos_id,
+                )
+                for p, actions in todo
+            }  # fmt: skip
+        finally:
+            if isinstance(runner, AgentRunner) and runner.endpoint is not None:
+                await runner.endpoint.close()
+
+    return asyncio.run(play_all())
+
+
 def trim_metrics(run_dir: Path, step: int) -> None:
     """Drop the metrics of the steps after the checkpoint (and the evaluations after it):
     the resumed run trains and evaluates them again."""
@@ -125,7 +161,9 @@ def with_builtin_scorer_models(cfg: RunConfig, run_dir: Path) -> RunConfig:
 
 def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> None:
     """``model.warm_start_steps`` of supervised training of the tiny model on the training
-    prompts' answers, once per run dir (a resumed run finds it done)."""
+    prompts' answers, or, where the run has episodes (``env``) and a prompt a demonstration,
+    on its demonstrated episode (yatt/rl/agents/demonstrations.py); once per run dir (a
+    resumed run finds it done)."""
     from workers.models import WARM_START_FILE, warm_start
 
     steps = cfg.model.warm_start_steps
@@ -134,7 +172,8 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
         return
     if not steps or (model_path / WARM_START_FILE).exists():
         return
-    missing = [p.index for p in prompts if "answer" not in p.metadata]
+    shown = demonstrated(cfg, model_path, prompts) if cfg.env.enabled else {}
+    missing = [p.index for p in prompts if p.index not in shown and "answer" not in p.metadata]
     if missing:
         raise ConfigError(
             f"model.warm_start_steps = {steps} trains on the prompts' reference answers, but prompt {missing[0]} "
@@ -142,9 +181,11 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
         )
     with writing(model_path):
         done = warm_start(
-            model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts],
-            steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
+            model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts if p.index not in shown],
+            rows=list(shown.values()), steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
         )
+    if shown:
+        print(f"yatt: warm start: {len(shown)} of the training prompts are demonstrated episodes", flush=True)
     print(
         f"yatt: warm start: {steps} supervised steps on the answers of {len(prompts)} training prompts "
         f"(loss {done['loss_first']:.2f} -> {done['loss_last']:.2f}, {done['seconds']:.1f} s)",

@@ -123,46 +123,51 @@ WARM_START_FILE = "warm_start.json"
 
 
 def warm_start(
-    model_dir: Path, examples: Sequence[tuple[list[int], str]], *, steps: int, lr: float, seed: int, batch: int = 32
-) -> dict[str, float]:
+    model_dir: Path, examples: Sequence[tuple[list[int], str]], *, steps: int, lr: float, seed: int, batch: int = 32,
+    rows: Sequence[tuple[list[int], list[bool]]] = (),
+) -> dict[str, float]:  # fmt: skip
     """Supervised training of the model in ``model_dir`` on ``(prompt token ids, reference
-    answer)`` pairs, in place: ``steps`` AdamW steps on batches of ``batch`` pairs drawn with
-    ``seed``, the loss on the answer's tokens and EOS only. Returns (and writes to
-    ``WARM_START_FILE``) the first and last losses and the seconds it took.
+    answer)`` pairs (the loss on the answer's tokens and EOS) and on ``rows`` (token ids, and
+    which of them are trained: a demonstrated episode, yatt/rl/agents/demonstrations.py), in
+    place: ``steps`` AdamW steps on batches of ``batch`` of them drawn with ``seed``. Returns
+    (and writes to ``WARM_START_FILE``) the first and last losses and the seconds it took.
 
     The built-in default job's tiny model starts from random weights, from which RL needs
     hundreds of steps to find even the answer format; a few seconds of this give it the
     format and a little of the task, and RL takes it from there."""
-    if steps < 1 or not examples:
-        raise ValueError(f"a warm start needs steps >= 1 and examples (got {steps} steps, {len(examples)} examples)")
+    if steps < 1 or not (examples or rows):
+        raise ValueError(f"a warm start needs steps >= 1 and examples (got {steps} steps, {len(examples) + len(rows)} examples)")
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with _no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    answers = tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"]
-    rows = [(list(ids), [*answer, tokenizer.eos_token_id]) for (ids, _), answer in zip(examples, answers, strict=True)]
+    answers = tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"] if examples else []
+    trained = [
+        *[([*ids, *answer, tokenizer.eos_token_id], [False] * len(ids) + [True] * (len(answer) + 1))
+          for (ids, _), answer in zip(examples, answers, strict=True)],
+        *[(list(ids), list(mask)) for ids, mask in rows],
+    ]  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        picked = [rows[int(i)] for i in torch.randint(len(rows), (batch,), generator=generator)]
-        width = max(len(p) + len(a) for p, a in picked)
+        picked = [trained[int(i)] for i in torch.randint(len(trained), (batch,), generator=generator)]
+        width = max(len(ids) for ids, _ in picked)
         input_ids = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full((batch, width), -100, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, (prompt, answer) in enumerate(picked):
-            n = len(prompt) + len(answer)
-            input_ids[row, :n] = torch.tensor(prompt + answer)
-            labels[row, len(prompt) : n] = torch.tensor(answer)
-            mask[row, :n] = 1
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for row, (ids, mask) in enumerate(picked):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask), torch.tensor(ids), -100)
+            attention[row, : len(ids)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     _save_quietly(model, model_dir)
-    done = {"steps": steps, "lr": lr, "seed": seed, "examples": len(rows), "loss_first": losses[0], "loss_last": losses[-1],
+    done = {"steps": steps, "lr": lr, "seed": seed, "examples": len(trained), "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": time.perf_counter() - started}  # fmt: skip
     (model_dir / WARM_START_FILE).write_text(json.dumps(done) + "\n")
     return done

@@ -686,6 +686,11 @@ class EnvConfig:
     """How the model calls tools: tags (``<tool>name(args)</tool>``, the result inline as
     ``<result>...</result>``: small models without a tool-calling template) or hermes (the chat
     template's ``<tool_call>{json}</tool_call>``, the result a tool message)."""
+    instructions: str | None = None
+    """The system message that says how to call ``tools`` with tags: None, yatt's paragraph
+    listing each tool's signature and the protocol; a text, that text; "", none (a model
+    that learnt the protocol, e.g. from the warm start's demonstrations, needs no paragraph
+    filling its context). hermes: the chat template writes its own from the schemas."""
     observations: Literal["auto", "chat", "inline"] = "auto"
     """How observations join the episode: chat (each a message of the chat template: the
     policy's turn closed, the message, the next assistant turn opened) or inline (the text as
@@ -740,6 +745,10 @@ class EnvConfig:
         require(
             not self.episode or not (self.tools or self.class_), "episode",
             "is set with env.class or env.tools: agent code that drives its own episode calls its own tools; set one",
+        )  # fmt: skip
+        require(
+            self.instructions is None or bool(self.tools), "instructions",
+            "is set without env.tools: it is the tools' system message (an environment or agent code writes its own prompt)",
         )  # fmt: skip
         require(self.max_turns >= 1, "max_turns", f"must be >= 1 (got {self.max_turns})")
         require(self.max_total_tokens >= 0, "max_total_tokens", f"must be >= 0 (got {self.max_total_tokens})")

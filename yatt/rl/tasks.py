@@ -113,10 +113,43 @@ def addition_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -
     return 1.0 if numbers and numbers[-1] == metadata["answer"] else 0.0
 
 
+CALCULATOR_SHARE = 0.25
+"""The share of ``calculator`` rows whose demonstration uses the calculator (the rest answer
+from memory): the warm-started model then answers most questions itself, and wrongly (a
+tiny model cannot add two-digit numbers), so RL has the calculator's worth to find."""
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def calculator_prompts(num: int, seed: int) -> list[Example]:
+    """Sums of two two-digit numbers, for a policy with a calculator tool (tag protocol):
+    ``examples/agent_calculator.yaml``. Each row's metadata holds the answer and a
+    demonstration (``"demonstration"``: the episode's actions as a JSON list), which the
+    tiny model's warm start plays through the run's own episode code
+    (yatt/rl/agents/demonstrations.py): a ``CALCULATOR_SHARE`` of them call the calculator
+    and answer with its result, the rest answer at once."""
+    rng = random.Random(f"calculator demonstrations {seed}")
+    examples = []
+    for prompt, metadata in _sums(num, seed, 10, 99):
+        answer = f"<answer>{metadata['answer']}</answer>"
+        terms = prompt.removeprefix("What is ").removesuffix("?")
+        actions = [f'<tool>calculator("{terms}")</tool>', answer] if rng.random() < CALCULATOR_SHARE else [answer]
+        examples.append((prompt, {**metadata, "demonstration": json.dumps(actions)}))
+    return examples
+
+
+def answer_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
+    """1 if the completion's last ``<answer>...</answer>`` holds the answer (spaces aside), else
+    0. Only the policy writes answer tags, so a tool's result in the transcript earns nothing."""
+    answers = _ANSWER.findall(completion)
+    return 1.0 if answers and answers[-1].strip() == metadata["answer"] else 0.0
+
+
 TASKS: dict[str, Task] = {
     "digits": Task(digits_prompts, digits_reward),
     "repeated": Task(repeated_prompts, repeated_reward),
     "addition": Task(addition_prompts, addition_reward),
+    "calculator": Task(calculator_prompts, answer_reward),
 }
 """The built-in synthetic tasks (data.source: synthetic, data.task: <name>)."""
 

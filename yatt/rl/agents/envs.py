@@ -92,16 +92,23 @@ class ToolEnv:
     error the model can read: a call that does not parse, an unknown tool, bad arguments,
     a raise, a timeout); a turn that calls none ends the episode (its answer is scored)."""
 
-    def __init__(self, tools: Sequence[Tool], *, protocol: ToolProtocol, timeout_s: float) -> None:
+    def __init__(
+        self, tools: Sequence[Tool], *, protocol: ToolProtocol, timeout_s: float, instructions: str | None = None
+    ) -> None:  # fmt: skip
+        """``instructions``: the system message (tags; None: ``tool_instructions``'s, "": none)."""
         self.tools = {tool.name: tool for tool in tools}
         self.protocol = protocol
         self.timeout_s = timeout_s
+        self.instructions = instructions
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Observation, dict[str, Any]]:
         """The data row's prompt, after a system message saying how to call the tools (tags)
         or with the tools' schemas for the chat template (hermes)."""
         row = (options or {}).get("row", {})
-        instructions = tool_instructions(list(self.tools.values()), protocol=self.protocol)
+        instructions = (
+            tool_instructions(list(self.tools.values()), protocol=self.protocol)
+            if self.instructions is None or self.protocol == "hermes" else self.instructions
+        )  # fmt: skip
         messages = [{"role": "system", "content": instructions}] if instructions else []
         info = {"tools": [tool.schema for tool in self.tools.values()]} if self.protocol == "hermes" else {}
         return [*messages, {"role": "user", "content": str(row.get("prompt", ""))}], info
@@ -131,7 +138,9 @@ def env_factory(config: EnvConfig) -> EnvFactory:
     tool environment. Loading errors are ``PluginError`` naming the field and the fix."""
     if config.tools:
         tools = load_tools(config.tools)
-        return lambda: ToolEnv(tools, protocol=config.protocol, timeout_s=config.tool_timeout_s)
+        return lambda: ToolEnv(
+            tools, protocol=config.protocol, timeout_s=config.tool_timeout_s, instructions=config.instructions
+        )  # fmt: skip
     cls = load_plugin(config.class_, field="env.class", expects=ENV_CLASS)
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:

@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from yatt.rl.agents.tools import calculator
-from yatt.rl.tasks import digits_reward
+from yatt.rl.tasks import answer_reward
 
 
 class GuessNumber:
@@ -85,14 +85,15 @@ CALCULATOR: Any = {  # (OpenAI's tool schema; typed as the SDK's TypedDict it is
 async def calculator_agent(client: Any, row: dict[str, Any], turns: int = 3) -> float:
     """Answer the row's question with a calculator tool, through the OpenAI chat API: each
     tool call the model makes is run and answered as a tool message; the first reply without
-    one is the answer, scored by ``digits_reward`` (0 when no answer comes within ``turns``)."""
+    one is the answer, scored by ``answer_reward`` (its ``<answer></answer>`` holds the row's
+    answer; 0 when no answer comes within ``turns``)."""
     llm = client.openai()  # openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key), its connections shared
     messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
     for _ in range(turns):
         reply = (await llm.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])).choices[0].message
         messages.append(reply.model_dump(exclude_none=True))
         if not reply.tool_calls:
-            return digits_reward(row["prompt"], reply.content or "", row)
+            return answer_reward(row["prompt"], reply.content or "", row)
         for call in reply.tool_calls:
             try:
                 result = calculator(**json.loads(call.function.arguments))

@@ -197,6 +197,7 @@ class EnvWorker(Actor):
         self.context = multiprocessing.get_context("fork")
         self.said_network = False
         self.started = self.failed = self.killed = 0
+        self.peak = 0  # the most episodes (processes) held at once
 
     async def on_start(self) -> None:
         self.spawn(self._sweep(), name="env-sweep")
@@ -210,6 +211,7 @@ class EnvWorker(Actor):
         if msg.method == "reset":
             await self._close(msg.episode)  # (a reset sent again starts the episode over)
             self.episodes[msg.episode] = await self._start()
+            self.peak = max(self.peak, len(self.episodes))
         held = self.episodes.get(msg.episode)
         if held is None:
             if msg.method == "close":
@@ -319,6 +321,7 @@ class EnvWorker(Actor):
             children = resource.getrusage(resource.RUSAGE_CHILDREN)  # (every episode process, once reaped)
             return Metrics(
                 values={"env/episodes": float(len(self.episodes)), "env/started": float(self.started),
+                        "env/peak_episodes": float(self.peak),
                         "env/failed": float(self.failed), "env/killed": float(self.killed),
                         "env/cpu_s": children.ru_utime + children.ru_stime}
             )  # fmt: skip

@@ -726,6 +726,11 @@ class EnvConfig:
     episode only."""
     workers: int = 1
     """Env role processes (not ``inline``); the controllers spread episodes over them."""
+    concurrency: int = 32
+    """Episodes each controller keeps live in the env role at once (each one a process
+    there); the others wait their turn before their reset. An evaluation round starts every
+    held-out episode together: hundreds of processes forked at once starve an env worker
+    on a small machine past its heartbeat limit. ``inline`` episodes are not bounded."""
     cpu_limit_s: float = 600.0
     """CPU seconds one episode's environment process may use (RLIMIT_CPU); past it the
     process is killed and the episode ends as env_error. 0: no limit."""
@@ -738,6 +743,7 @@ class EnvConfig:
     (Linux with user namespaces or root; elsewhere the env role says once that it cannot)."""
 
     def __post_init__(self) -> None:
+        require(self.concurrency >= 1, "concurrency", f"must be >= 1 (got {self.concurrency})")
         require(self.workers >= 1, "workers", f"must be >= 1 (got {self.workers}); env.inline: true runs environments in the controllers")
         require(self.cpu_limit_s >= 0, "cpu_limit_s", f"must be >= 0 seconds, 0 for no limit (got {self.cpu_limit_s})")
         require(self.memory_limit_mb >= 0, "memory_limit_mb", f"must be >= 0 MiB, 0 for no limit (got {self.memory_limit_mb})")

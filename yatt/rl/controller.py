@@ -64,7 +64,7 @@ from yatt.errors import ActorFailed, PeerLost, RemoteError, RequestTimeout, Tran
 from yatt.rl import rl_math
 from yatt.rl.agents.client import AgentRunner, NoCall
 from yatt.rl.agents.envs import EnvFactory, call
-from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Trajectory, Turn
+from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Generate, Trajectory, Turn
 from yatt.rl.agents.remote import RemoteEnv
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
@@ -254,6 +254,8 @@ class Controller:
         self.reissued = 0  # requests re-sent after a lost or silent worker
         self._tasks: dict[GroupKey, asyncio.Task[None]] = {}
         self._submitting: set[GroupKey] = set()
+        # Episodes live in the env role at once (env.concurrency): each is a process there.
+        self._env_slots = asyncio.Semaphore(episodes[0].config.concurrency if episodes is not None else 1)
 
     @property
     def in_flight(self) -> int:
@@ -431,6 +433,16 @@ class Controller:
                 return await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
             except NoCall as e:
                 raise ActorFailed(f"controller {self.shard}: group {key.as_str()}: {e}") from e
+        if new_env is None:  # (in the env role: a process there while it lives; the others wait their turn)
+            async with self._env_slots:
+                return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record)
+        return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record)
+
+    async def _env_episode(
+        self, key: GroupKey, sample: int, request: GenerateRequest, row: dict[str, Any], runner: EpisodeRunner,
+        new_env: EnvFactory | None, generate: Generate, recorded: list[Turn], record: Callable[[int, Turn], Awaitable[None]],
+    ) -> tuple[list[int], Trajectory]:  # fmt: skip
+        """``_episode`` against an environment: made here (``new_env``) or in the env role."""
         try:
             env = new_env() if new_env is not None else RemoteEnv(
                 self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,

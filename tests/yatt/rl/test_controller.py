@@ -98,13 +98,13 @@ def calculator_script(text: str, seed: int | None) -> str:
 
 async def run_group(
     transport: Transport, tmp_path: Path, model_dir: Path, env: EnvConfig, script: Any, *, group_size: int = 2,
-    first: Any = None, hosted: bool = False,
+    first: Any = None, hosted: bool = False, workers: list[EnvWorker] | None = None,
 ) -> tuple[ScoredGroup, MicroBatch, Any, ScriptedEngine]:
     """One group through the controller: the buffer's accepted group and the micro-batch it
     serves rank 0 of a 1-rank trainer. ``first``: the script of a first controller, which
     dies when it raises (its requests fail every try); a second one then follows ``script``
     (the engine's calls are those of the second). ``hosted``: the environments in a real
-    env worker (the env role), not in the controller."""
+    env worker (the env role), not in the controller; ``workers`` gets it."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = ScriptedEngine(tokenizer, first or script)
@@ -130,6 +130,8 @@ async def run_group(
             roles = ["generator", "reward", "buffer"]
             if hosted:
                 worker = await stack.enter_async_context(EnvWorker(transport, endpoint=LOCAL, config=env))
+                if workers is not None:
+                    workers.append(worker)
                 await stack.enter_async_context(Registration(transport, registry.endpoint, worker.info()))
                 roles.append("env")
             await directory.wait_until(lambda d: all(d.members(r) for r in roles), timeout=30)
@@ -207,6 +209,21 @@ async def test_a_tool_episode_trains_the_policys_tokens_only(
     assert not mb.loss_mask[0, :p].any()
     hole = slice(p + len(call_ids), p + len(call_ids) + len(result_ids))
     assert (mb.advantages[0, hole] == 0).all() and (mb.rollout_logprobs[0, hole] == 0).all()
+
+
+@pytest.mark.parametrize("concurrency", [1, 32])
+async def test_a_controller_keeps_at_most_env_concurrency_episodes_live_in_the_env_role(
+    transport: Transport, tmp_path: Path, tiny_model_dir: Path, calculator_env: EnvConfig, concurrency: int
+) -> None:
+    """Each live episode is a process in the env role: past ``env.concurrency`` the others
+    wait their turn, and every episode still runs to its end."""
+    workers: list[EnvWorker] = []
+    env = dataclasses.replace(calculator_env, concurrency=concurrency)
+    group, _, _, _ = await run_group(
+        transport, tmp_path, tiny_model_dir, env, calculator_script, group_size=4, hosted=True, workers=workers
+    )
+    assert workers[0].peak == min(concurrency, 4) and workers[0].started == 4
+    assert group.rewards.tolist() == [1.0] * 4 and all(i.ended == "done" for i in group.episodes)
 
 
 async def test_a_broken_call_is_an_observation_and_the_episode_goes_on(

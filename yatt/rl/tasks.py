@@ -139,10 +139,40 @@ def calculator_prompts(num: int, seed: int) -> list[Example]:
 
 
 def answer_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
-    """1 if the completion's last ``<answer>...</answer>`` holds the answer (spaces aside), else
-    0. Only the policy writes answer tags, so a tool's result in the transcript earns nothing."""
+    """1 if the completion's last ``<answer>...</answer>`` holds the answer (spaces aside), or,
+    with no answer tags, the completion is the answer and nothing else; else 0. Only the
+    policy writes answer tags, so a tool's result in the transcript earns nothing."""
     answers = _ANSWER.findall(completion)
-    return 1.0 if answers and answers[-1].strip() == metadata["answer"] else 0.0
+    return 1.0 if (answers[-1] if answers else completion).strip() == metadata["answer"] else 0.0
+
+
+GUESS_HIGH = 8
+"""The ``guess`` task's secrets are 1..GUESS_HIGH (``env.kwargs.high`` of GuessNumber)."""
+
+GUESS_SHARE = 0.25
+"""The share of ``guess`` rows demonstrated with a binary search (the rest count up from 1,
+which finds a secret above 4 too late): the warm-started policy mostly counts up, and RL
+has the halving's worth to find."""
+
+
+def guess_prompts(num: int, seed: int) -> list[Example]:
+    """Guess-the-number games (``examples/agent_guess.yaml``, GuessNumber with high 8, 4
+    turns): each row's metadata holds its secret (the game plays it) and a demonstration,
+    a ``GUESS_SHARE`` of them a binary search, the rest 1, 2, 3, 4 (right for half the secrets)."""
+    rng = random.Random(seed)
+    examples = []
+    for game in range(num):
+        secret = rng.randint(1, GUESS_HIGH)
+        if rng.random() < GUESS_SHARE:
+            low, high, guesses = 1, GUESS_HIGH, list[int]()
+            while not guesses or guesses[-1] != secret:
+                guesses.append((low + high) // 2)
+                low, high = (guesses[-1] + 1, high) if guesses[-1] < secret else (low, guesses[-1] - 1)
+        else:
+            guesses = list(range(1, min(secret, 4) + 1))
+        metadata = {"answer": str(secret), "secret": str(secret), "demonstration": json.dumps([str(g) for g in guesses])}
+        examples.append((f"Game {seed}-{game}: guess the number from 1 to {GUESS_HIGH}.", metadata))  # (the game writes its own prompt)
+    return examples
 
 
 TASKS: dict[str, Task] = {
@@ -150,6 +180,7 @@ TASKS: dict[str, Task] = {
     "repeated": Task(repeated_prompts, repeated_reward),
     "addition": Task(addition_prompts, addition_reward),
     "calculator": Task(calculator_prompts, answer_reward),
+    "guess": Task(guess_prompts, addition_reward),  # (the last number said; the game's own reward is the one trained)
 }
 """The built-in synthetic tasks (data.source: synthetic, data.task: <name>)."""
 

@@ -15,8 +15,9 @@ trains a policy before RL, so that its first RL steps see episodes that use the 
 
 A turn ends where a rollout's would: at a stop string it ends with (``env.stop``, a tag
 call's ``</tool>``), else with EOS. A demonstration that does not fit the run's limits (a
-turn over ``controller.max_new_tokens``, more turns than the episode asks for, an episode
-that ends otherwise than done) is a ``ConfigError`` naming the row.
+turn over ``controller.max_new_tokens``, more or fewer turns than the episode plays, an
+episode that ends in an error, a timeout or the context budget) is a ``ConfigError``
+naming the row.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from yatt.rl.agents.episodes import EpisodeRunner, Generate
 
 DEMONSTRATION = "demonstration"
 """The metadata key of a row's demonstration."""
+
+PLAYED = ("done", "max_turns", "truncated")
+"""How a demonstrated episode may end: by itself, every turn played (a demonstration of
+a strategy that fails, one that runs out of turns, is a demonstration too)."""
 
 
 def actions_of(metadata: dict[str, Any], *, index: int) -> list[str] | None:
@@ -71,7 +76,7 @@ async def play(
             if callable(close := getattr(env, "close", None)):
                 await call(close)
     info = trajectory.info
-    if info.ended != "done" or left():
+    if info.ended not in PLAYED or left():
         raise ConfigError(
             f"{where} did not play as an episode: it ended as {info.ended!r} after {info.turns} of its "
             f"{len(actions)} turns{f' ({info.detail})' if info.detail else ''}; fix the demonstration or the env.* limits"

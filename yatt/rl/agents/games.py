@@ -28,7 +28,8 @@ from yatt.rl.tasks import answer_reward
 
 
 class GuessNumber:
-    """Guess a secret whole number in [1, ``high``] (chosen by the reset seed); each wrong
+    """Guess a secret whole number in [1, ``high``] (the data row's ``secret`` where it has
+    one, as the ``guess`` task's rows do, else chosen by the reset seed); each wrong
     guess is answered "higher" or "lower". Reward 1 for the right guess (the episode ends),
     0 otherwise; a turn without a number is told how to answer."""
 
@@ -39,7 +40,8 @@ class GuessNumber:
         self.secret = 0
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        self.secret = random.Random(seed).randint(1, self.high)
+        row = (options or {}).get("row") or {}
+        self.secret = int(row["secret"]) if "secret" in row else random.Random(seed).randint(1, self.high)
         return f"I am thinking of a number from 1 to {self.high}. Guess it: answer with the number only.", {}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -57,7 +59,7 @@ async def guess_agent(client: Any, row: dict[str, Any], high: int = 8, turns: in
     group's episodes play one game), the game's answers are user messages, the reward is 1
     for the right guess within ``turns``, else 0."""
     game = GuessNumber(high)
-    prompt, _ = game.reset(seed=int(row["index"]))
+    prompt, _ = game.reset(seed=int(row["index"]), options={"row": row})
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
     for _ in range(turns):
         reply = await client.chat(messages)

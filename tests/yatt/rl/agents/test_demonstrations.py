@@ -19,7 +19,7 @@ from yatt.rl.agents.envs import env_factory
 from yatt.rl.agents.episodes import EpisodeRunner
 from yatt.rl.agents.render import Renderer
 from yatt.rl.config import EnvConfig
-from yatt.rl.tasks import answer_reward, calculator_prompts
+from yatt.rl.tasks import answer_reward, calculator_prompts, guess_prompts
 
 CALL, ANSWER = '<tool>calculator("47 + 38")</tool>', "<answer>85</answer>"
 ROW: dict[str, Any] = {"index": 7, "prompt": "What is 47 + 38?", "answer": "85"}
@@ -76,14 +76,14 @@ async def test_agent_code_plays_a_demonstration_through_its_own_openai_client(to
     ("actions", "max_new_tokens", "said"),
     [
         ([CALL, ANSWER, ANSWER], 32, "ended as 'done' after 2 of its 3 turns"),  # more turns than the episode takes
-        ([CALL], 32, "ended as 'max_turns' after 1 of its 1 turns"),  # the episode wants an answer
+        ([ANSWER, ANSWER], 32, "ended as 'done' after 1 of its 2 turns"),  # an answer ends it
         ([CALL, ANSWER], 8, "turn 1 is 29 tokens, over the turn's 8"),
     ],
 )
 async def test_a_demonstration_that_does_not_fit_the_run_is_refused_naming_its_row(
     tokenizer: Any, actions: list[str], max_new_tokens: int, said: str
 ) -> None:
-    config = EnvConfig(tools=["yatt.rl.agents.tools:calculator"], protocol="tags", instructions="", max_turns=1 if len(actions) == 1 else 4)
+    config = EnvConfig(tools=["yatt.rl.agents.tools:calculator"], protocol="tags", instructions="", max_turns=4)
     run = runner(tokenizer, config, max_new_tokens=max_new_tokens)
     with pytest.raises(ConfigError, match="prompt 7's demonstration") as error:
         await play(run, ROW, actions, prompt_ids=[], new_env=env_factory(config), eos_id=tokenizer.eos_token_id)
@@ -115,3 +115,27 @@ def test_tool_instructions_are_the_configs_own_or_none_and_only_for_tools() -> N
     assert none == [{"role": "user", "content": ROW["prompt"]}]
     with pytest.raises(ConfigError, match="instructions is set without env.tools"):
         EnvConfig(class_="yatt.rl.agents.games:GuessNumber", instructions="")
+
+
+async def test_the_guess_tasks_demonstrations_play_through_the_game_won_or_run_out_of_turns(tokenizer: Any) -> None:
+    """A demonstration of a strategy that fails (counting up, past 4 turns) is played as
+    well: the episode runs out of turns with every one of them played."""
+    config = EnvConfig(class_="yatt.rl.agents.games:GuessNumber", kwargs={"high": 8}, max_turns=4, inline=True)
+    run = runner(tokenizer, config, max_new_tokens=4)
+    rows = guess_prompts(60, seed=0)
+    halving = 0
+    for index, (prompt, metadata) in enumerate(rows):
+        actions = actions_of(metadata, index=index)
+        assert actions is not None
+        ids, mask = await play(
+            run, {**metadata, "prompt": prompt, "index": index}, actions, prompt_ids=[], new_env=env_factory(config),
+            eos_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+        said = str(tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True))
+        assert said == "".join(actions)  # (the guesses trained; the game's answers between them not)
+        secret = int(metadata["secret"])
+        text = str(tokenizer.decode(ids, skip_special_tokens=True))
+        halving += actions[0] == "4"  # (counting up starts at 1)
+        assert text.count("Higher.") + text.count("Lower.") == len(actions) - 1  # (none after the last turn)
+        assert actions[-1] == str(secret) or (actions == ["1", "2", "3", "4"] and secret > 4)
+    assert 8 < halving < 25  # (GUESS_SHARE of 60, about 15)

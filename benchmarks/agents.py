@@ -35,7 +35,12 @@ share (engine time / wall), the turn time, the time a turn record adds, and TRL'
 optimizer step (``trl_step_s``). Ratios: ``yatt_vs_lockstep`` and ``yatt_vs_trl``
 (samples/s), ``record_cost_share`` (the record's added time per turn over the turn's time).
 
-Options (``--set``): episodes, max_turns, max_new_tokens, latency_ms, min_ms, max_ms, repeats.
+With ``live`` below ``episodes`` (say 128 episodes, 32 live: a step's groups under
+``env.concurrency``), yatt's modes keep ``live`` episodes going, the next starting as one
+ends, and lock-step runs waves of ``live``, each to its end: a step's episodes as a
+synchronous loop runs them, batch after batch. TRL runs batches of ``live`` (its rate per episode is one batch's).
+
+Options (``--set``): episodes, live, max_turns, max_new_tokens, latency_ms, min_ms, max_ms, repeats.
 """
 
 from __future__ import annotations
@@ -74,7 +79,11 @@ from yatt.runtime.configtools import build
 @dataclass(frozen=True, kw_only=True)
 class Options:
     episodes: int = 32
-    """Episodes run at once (one batch)."""
+    """Episodes run (one batch for TRL)."""
+    live: int = 0
+    """Episodes live at once (0: all of them): yatt's modes start the next episode as soon
+    as one ends (as a controller keeps ``env.concurrency`` episodes live), lock-step runs
+    the episodes in waves of ``live`` (a batch after the batch, as a synchronous loop does)."""
     max_turns: int = 4
     """Turns per episode."""
     max_new_tokens: int = 8
@@ -93,6 +102,8 @@ class Options:
             raise ConfigError(f"agents.episodes must be >= 2 (got {self.episodes})")
         if self.max_turns < 1:
             raise ConfigError(f"agents.max_turns must be >= 1 (got {self.max_turns})")
+        if not 0 <= self.live <= self.episodes:
+            raise ConfigError(f"agents.live must be in 0..episodes={self.episodes}, 0 for all at once (got {self.live})")
 
 
 QUICK = {"episodes": 8, "max_turns": 2, "max_new_tokens": 4, "latency_ms": 20.0, "min_ms": 5.0, "max_ms": 60.0, "repeats": 1}
@@ -163,12 +174,11 @@ async def one_mode(
     from yatt.rl.agents.remote import RemoteEnv
     from yatt.runtime.actor import Client
 
-    barrier = LockStep(opts.episodes) if mode == "lockstep" else None
     record_s: list[float] = []
     engine_before = generator.generate_s
     async with Client(transport, generator.endpoint) as gen, Client(transport, buffer.endpoint) as buf:
 
-        async def episode(i: int) -> int:
+        async def episode(i: int, barrier: LockStep | None) -> int:
             key = GroupKey(epoch=0, shard=0, prompt_index=i)
             env: Any = SlowGuess(8, latencies(opts, i))
             if mode == "env_role":
@@ -199,8 +209,22 @@ async def one_mode(
                     await env.close()
             return out.info.turns
 
+        live = opts.live or opts.episodes
+        slots = asyncio.Semaphore(live)
+
+        async def in_turn(i: int) -> int:
+            async with slots:  # (the next episode starts as soon as one ends)
+                return await episode(i, None)
+
         began = time.perf_counter()
-        turns = await asyncio.gather(*(episode(i) for i in range(opts.episodes)))
+        if mode == "lockstep":  # waves of ``live``, each waiting for its slowest step every turn
+            turns = []
+            for first in range(0, opts.episodes, live):
+                wave = range(first, min(first + live, opts.episodes))
+                barrier = LockStep(len(wave))
+                turns += await asyncio.gather(*(episode(i, barrier) for i in wave))
+        else:
+            turns = await asyncio.gather(*(in_turn(i) for i in range(opts.episodes)))
         wall = time.perf_counter() - began
     return {
         "wall_s": wall, "engine_s": generator.generate_s - engine_before, "turns": float(sum(turns)),
@@ -244,7 +268,7 @@ async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, li
     )  # fmt: skip
     engine = await asyncio.to_thread(make_engine, str(model_dir), GeneratorConfig())
     trl = await asyncio.to_thread(  # TRL's start-up, before anything is timed
-        TrlEpisodes, model_dir, scratch, episodes=opts.episodes, max_turns=opts.max_turns,
+        TrlEpisodes, model_dir, scratch, episodes=opts.live or opts.episodes, max_turns=opts.max_turns,
         max_new_tokens=opts.max_new_tokens, latencies=lambda i: latencies(opts, i), steps=1 + opts.repeats,
     )  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {"yatt": [], "lockstep": [], "record": [], "env_role": [], "trl": []}
@@ -262,8 +286,8 @@ async def measure(opts: Options, model_dir: Path, scratch: Path) -> dict[str, li
         ):  # fmt: skip
 
             async def once(mode: str) -> dict[str, float]:
-                if mode == "trl":
-                    return await asyncio.to_thread(trl.batch)
+                if mode == "trl":  # (a batch of ``live``, as it would run batch after batch)
+                    return {**await asyncio.to_thread(trl.batch), "episodes": float(opts.live or opts.episodes)}
                 return await one_mode(
                     mode, opts, runner=runner, generator=generator, buffer=buffer, transport=transport, directory=directory
                 )
@@ -296,14 +320,19 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         runs = asyncio.run(measure(opts, build_tiny_model(scratch / "tiny", seed=0), scratch))
+    live = opts.live or opts.episodes  # episodes at once: a turn's time is the wall over the turns each of them took
+
+    def count(r: dict[str, float]) -> float:
+        return r.get("episodes", opts.episodes)
+
     for mode, rows in runs.items():
-        result.figures[f"{mode}_episodes_per_s"] = statistics.median(opts.episodes / r["wall_s"] for r in rows)
+        result.figures[f"{mode}_episodes_per_s"] = statistics.median(count(r) / r["wall_s"] for r in rows)
         result.figures[f"{mode}_generator_busy_share"] = statistics.median(r["engine_s"] / r["wall_s"] for r in rows)
-        result.figures[f"{mode}_turn_s"] = statistics.median(r["wall_s"] * opts.episodes / r["turns"] for r in rows)
+        result.figures[f"{mode}_turn_s"] = statistics.median(r["wall_s"] * live / r["turns"] for r in rows)
     records = runs["record"]
     per_record = statistics.median(r["record_s"] / max(r["records"], 1) for r in records)
     result.figures["record_s_per_turn"] = per_record
-    added = statistics.median((r["wall_s"] - y["wall_s"]) / r["turns"] * opts.episodes for r, y in zip(records, runs["yatt"], strict=True))
+    added = statistics.median((r["wall_s"] - y["wall_s"]) / r["turns"] * live for r, y in zip(records, runs["yatt"], strict=True))
     result.figures["record_added_s_per_turn"] = added
     result.figures["trl_step_s"] = statistics.median(r["step_s"] for r in runs["trl"])
     result.ratios["yatt_vs_lockstep"] = result.figures["yatt_episodes_per_s"] / result.figures["lockstep_episodes_per_s"]
@@ -311,7 +340,8 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     result.ratios["env_role_vs_inline"] = result.figures["env_role_episodes_per_s"] / result.figures["yatt_episodes_per_s"]
     result.ratios["record_cost_share"] = max(per_record, 1e-9) / result.figures["yatt_turn_s"]
     result.notes.append(
-        f"{opts.episodes} episodes x {opts.max_turns} turns, {opts.max_new_tokens} new tokens a turn, step latency lognormal "
+        f"{opts.episodes} episodes ({opts.live or opts.episodes} live at once) x {opts.max_turns} turns, "
+        f"{opts.max_new_tokens} new tokens a turn, step latency lognormal "
         f"median {opts.latency_ms:g} ms in [{opts.min_ms:g}, {opts.max_ms:g}] ms; {opts.repeats} interleaved repeats, medians"
     )
     result.notes.append(
@@ -320,7 +350,7 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     )
     result.notes.append(
         "record_cost_share: one TurnRecord's round trip to the buffer (its ledger commit) over the time an episode's turn "
-        "takes (wall x episodes / turns); record_added_s_per_turn: what recording added to that turn time, measured"
+        "takes (wall x live episodes / turns); record_added_s_per_turn: what recording added to that turn time, measured"
     )
     result.notes.append(
         "trl: TRL's GRPOTrainer (environment_factory, its own loop and HF generate), episodes/s from its rollout "

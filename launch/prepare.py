@@ -184,10 +184,9 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
             model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts if p.index not in shown],
             rows=list(shown.values()), steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
         )
-    if shown:
-        print(f"yatt: warm start: {len(shown)} of the training prompts are demonstrated episodes", flush=True)
+    what = "answers" if not shown else "demonstrated episodes" if len(shown) == len(prompts) else f"answers ({len(shown)}: demonstrated episodes)"
     print(
-        f"yatt: warm start: {steps} supervised steps on the answers of {len(prompts)} training prompts "
+        f"yatt: warm start: {steps} supervised steps on the {what} of {len(prompts)} training prompts "
         f"(loss {done['loss_first']:.2f} -> {done['loss_last']:.2f}, {done['seconds']:.1f} s)",
         flush=True,
     )

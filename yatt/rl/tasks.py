@@ -45,14 +45,15 @@ _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
 _NUMBER = re.compile(r"-?\d+")
 
 
+def _terms(num: int, seed: int, low: int, high: int) -> list[tuple[int, int]]:
+    """``num`` pairs (a, b) drawn uniformly from [low, high]."""
+    rng = random.Random(seed)
+    return [(rng.randint(low, high), rng.randint(low, high)) for _ in range(num)]
+
+
 def _sums(num: int, seed: int, low: int, high: int) -> list[Example]:
     """``num`` prompts "What is a + b?" with a, b drawn uniformly from [low, high]."""
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(num):
-        a, b = rng.randint(low, high), rng.randint(low, high)
-        examples.append((f"What is {a} + {b}?", {"answer": str(a + b)}))
-    return examples
+    return [(f"What is {a} + {b}?", {"answer": str(a + b)}) for a, b in _terms(num, seed, low, high)]
 
 
 def digits_prompts(num: int, seed: int) -> list[Example]:
@@ -130,11 +131,10 @@ def calculator_prompts(num: int, seed: int) -> list[Example]:
     and answer with its result, the rest answer at once."""
     rng = random.Random(f"calculator demonstrations {seed}")
     examples = []
-    for prompt, metadata in _sums(num, seed, 10, 99):
-        answer = f"<answer>{metadata['answer']}</answer>"
-        terms = prompt.removeprefix("What is ").removesuffix("?")
-        actions = [f'<tool>calculator("{terms}")</tool>', answer] if rng.random() < CALCULATOR_SHARE else [answer]
-        examples.append((prompt, {**metadata, "demonstration": json.dumps(actions)}))
+    for a, b in _terms(num, seed, 10, 99):
+        answer = f"<answer>{a + b}</answer>"
+        actions = [f'<tool>calculator("{a} + {b}")</tool>', answer] if rng.random() < CALCULATOR_SHARE else [answer]
+        examples.append((f"What is {a} + {b}?", {"answer": str(a + b), "demonstration": json.dumps(actions)}))
     return examples
 
 

@@ -197,9 +197,10 @@ async def test_a_tool_episode_trains_the_policys_tokens_only(
         info = group.episodes[i]
         assert (info.ended, info.turns, info.tool_errors) == ("done", 2, 0)
     assert group.rewards.tolist() == [1.0, 1.0] and group.scores["exact_match"].tolist() == [1.0, 1.0]
-    # Turns of the two episodes went to the generator together, as separate requests of one
-    # batch (no barrier across the batch, nor within it: each is its own task).
-    assert [len(batch) for batch in engine.calls][:2] == [2, 2] or len(engine.calls) == 4
+    # Each turn of each episode went to the generator as a request of its own (n=1): the
+    # episodes are tasks of their own, so the generator's batches are whatever arrived
+    # together ([2, 2] when idle; [1, 2, 1] or four apart under load, never a barrier).
+    assert sum(len(batch) for batch in engine.calls) == 4, [len(batch) for batch in engine.calls]
     assert all(r.sampling.stop == ["</tool>"] and r.n == 1 for batch in engine.calls for r in batch)
     # The row the trainer gets: prompt | call (loss) | result (no loss) | answer (loss).
     p = len(group.prompt_ids)

@@ -232,7 +232,7 @@ async def _reward(
 async def _env(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from workers.env import EnvWorker
 
-    actor = EnvWorker(transport, endpoint=f"tcp://{args.host}:*", config=cfg.env)
+    actor = EnvWorker(transport, endpoint=f"tcp://{args.host}:*", config=cfg.env, model=Path(cfg.model.path).name or "policy")
     await _serve(actor, args.registry, stop)
 
 

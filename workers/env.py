@@ -1,4 +1,4 @@
-"""The env role: the environments (or tools) of episodes, hosted out of the controllers.
+"""The env role: the environments (or tools, or agent code) of episodes, hosted out of the controllers.
 
     controller --EnvCall(reset | step | close)--> env worker --pipe--> episode process
                                                                         env = Env(**env.kwargs)
@@ -18,6 +18,10 @@ serving. A step of a turn already stepped is answered again with that turn's rep
 re-sent request steps nothing twice). An episode that no call touched for three times
 ``env.episode_timeout_s`` (its controller died) is closed (were it only waiting for a slow
 generation, its controller rebuilds it here).
+
+Agent code (``env.episode``) is hosted the same way, as an environment whose observations
+are its calls and whose actions the policy's replies (``yatt.rl.agents.hosted.AgentEnv``):
+its process also serves it an OpenAI-compatible endpoint on its own loopback.
 
 A killed env worker takes its episode processes with it (they die with their parent);
 the controllers rebuild each of its episodes on a live worker
@@ -112,7 +116,7 @@ def episode_main(conn: multiprocessing.connection.Connection, config: EnvConfig,
     try:
         env = make()
     except Exception as e:  # a user's constructor: the reset that follows reports it
-        conn.send(("error", f"making the environment {config.class_ or 'of env.tools'} failed: {type(e).__name__}: {e}"))
+        conn.send(("error", f"making the environment {config.class_ or config.episode or 'of env.tools'} failed: {type(e).__name__}: {e}"))
         return
     conn.send(("ready", isolated))
     loop = asyncio.new_event_loop()
@@ -189,11 +193,15 @@ class EnvWorker(Actor):
 
     role = "env"
 
-    def __init__(self, transport: Transport, *, endpoint: str, config: EnvConfig, actor_id: str | None = None) -> None:
+    def __init__(
+        self, transport: Transport, *, endpoint: str, config: EnvConfig, actor_id: str | None = None, model: str = "policy"
+    ) -> None:  # fmt: skip
+        """``model``: the name a hosted agent's endpoint serves (``env.episode``)."""
         super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
         self.config = config
         self.episodes: dict[str, _Episode] = {}
-        self.make = env_factory(config)  # (the environment's module imported here once, not in each episode)
+        self.make = env_factory(config, model=model)  # (the environment's module imported here once, not in each episode)
+        self.hosts = config.class_ or config.episode or "a tool"  # (what errors name)
         self.context = multiprocessing.get_context("fork")
         self.said_network = False
         self.started = self.failed = self.killed = 0
@@ -269,10 +277,10 @@ class EnvWorker(Actor):
         except TimeoutError:
             self.killed += 1
             raise EnvFailed(
-                f"{self.config.class_ or 'a tool'}: {method} took over env.episode_timeout_s={self.config.episode_timeout_s:g} s; its process was killed"
+                f"{self.hosts}: {method} took over env.episode_timeout_s={self.config.episode_timeout_s:g} s; its process was killed"
             ) from None
         except (EOFError, OSError) as e:
-            raise EnvFailed(f"{self.config.class_ or 'a tool'}: the episode's process died during {method} ({self._death(held, e)})") from None
+            raise EnvFailed(f"{self.hosts}: the episode's process died during {method} ({self._death(held, e)})") from None
         if kind == "error":
             raise EnvFailed(str(value))
         return dict(value)

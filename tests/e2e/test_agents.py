@@ -171,13 +171,32 @@ def kill_mid_episode(
     assert len(episodes) == 4 * 8 and episodes == undisturbed
 
 
-def test_agent_code_whose_controller_is_killed_mid_episode_loses_no_turn(tmp_path: Path) -> None:
-    """``env.episode`` (the game as agent code): a controller SIGKILLed once an episode's
-    second turn is recorded restarts, runs the function again with the recorded turns
-    answered from the ledger, and every group trains what an undisturbed run trains."""
-    items = [str(REPO / "examples" / "agent_client.yaml"), "run.steps=4", "placement.layout=disaggregated"]
-    reference = tmp_path / "undisturbed"
-    run(reference, *items)
+AGENT_KILL_ITEMS = [str(REPO / "examples" / "agent_client.yaml"), "run.steps=4", "placement.layout=disaggregated", "env.inline=false"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed_agent(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
+    """The episodes every group of the agent-code kill tests' run trains when nothing is killed."""
+    reference = tmp_path_factory.mktemp("agent_code") / "undisturbed"
+    run(reference, *AGENT_KILL_ITEMS)
+    return accepted_episodes(reference)
+
+
+@pytest.mark.parametrize(
+    ("role", "says"),
+    [
+        ("controller", "resumes after turn"),  # the function run again, its recorded calls answered from the ledger
+        ("env", "rebuilt on"),  # the function's process gone with its worker: run again on the restarted one
+    ],
+)
+def test_agent_code_killed_mid_episode_loses_no_turn(
+    tmp_path: Path, undisturbed_agent: dict[str, list[list[int]]], role: str, says: str
+) -> None:
+    """``env.episode`` (the game as agent code, hosted in the env role): a controller, or
+    the env worker whose processes run the function, SIGKILLed once an episode's second
+    turn is recorded; the launcher restarts it, the function runs again with its calls up
+    to the one in flight answered as before (from the ledger, or from the controller's
+    record of the replies it gave), and every group trains what an undisturbed run trains."""
     run_dir = tmp_path / "killed"
-    proc = launch_run(run_dir, items, env={"YATT_LOG_LEVEL": "INFO"})
-    kill_mid_episode(run_dir, proc, "controller", "resumes after turn", accepted_episodes(reference))
+    proc = launch_run(run_dir, AGENT_KILL_ITEMS, env={"YATT_LOG_LEVEL": "INFO"})
+    kill_mid_episode(run_dir, proc, role, says, undisturbed_agent)

@@ -678,8 +678,11 @@ class EnvConfig:
     episode: str = ""
     """'module:function', agent code that drives its own episode: ``async def run(client, row)
     -> float | dict``, its calls ``client.generate(ids)`` (token in, token out) and
-    ``client.chat(messages, tools=)`` each a turn (yatt/rl/agents/client.py); it runs in the
-    controllers (env.inline's place), under max_turns, max_total_tokens and episode_timeout_s."""
+    ``client.chat(messages, tools=)`` each a turn (yatt/rl/agents/client.py), or an
+    ``openai.AsyncOpenAI()`` on ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (an endpoint of the
+    episode's own: yatt/rl/agents/hosted.py); under max_turns, max_total_tokens and
+    episode_timeout_s; like an environment, in the env role's processes under their limits
+    (``inline``: in the controllers, with ``client.base_url`` and ``client.api_key``)."""
     tools: list[str] = field(default_factory=list)
     """'module:function' tools (type hints and a docstring: transformers' get_json_schema)."""
     protocol: Literal["tags", "hermes"] = "tags"
@@ -720,10 +723,10 @@ class EnvConfig:
     gamma: float = 1.0
     """Discount per turn of ``credit: turn``."""
     inline: bool = False
-    """Run the environments (or tools) inside the controllers: for pure, fast environments.
-    false: in the env role's processes (``workers``), each episode's environment in a process
-    of its own under the limits below, where a hang, a crash or a memory blow-up ends that
-    episode only."""
+    """Run the environments (or tools, or ``episode``'s agent code) inside the controllers:
+    for pure, fast, trusted code. false: in the env role's processes (``workers``), each
+    episode's environment (or agent) in a process of its own under the limits below, where a
+    hang, a crash or a memory blow-up ends that episode only."""
     workers: int = 1
     """Env role processes (not ``inline``); the controllers spread episodes over them."""
     concurrency: int = 32
@@ -772,7 +775,7 @@ class EnvConfig:
     @property
     def env_workers(self) -> int:
         """Env role processes the run starts: ``workers`` for episodes not run ``inline``, else 0."""
-        return self.workers if (self.class_ or self.tools) and not self.inline else 0
+        return self.workers if self.enabled and not self.inline else 0
 
     @property
     def render_protocol(self) -> Literal["chat", "raw"]:

@@ -65,6 +65,7 @@ from yatt.rl import rl_math
 from yatt.rl.agents.client import AgentRunner, NoCall
 from yatt.rl.agents.envs import EnvFactory, call
 from yatt.rl.agents.episodes import Diverged, EpisodeRunner, Generate, Trajectory, Turn
+from yatt.rl.agents.hosted import hosted
 from yatt.rl.agents.remote import RemoteEnv
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
@@ -430,7 +431,17 @@ class Controller:
 
         if isinstance(runner, AgentRunner):  # the user's code drives the episode
             try:
-                return await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
+                if runner.config.inline:
+                    return await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
+                async with self._env_slots:  # (in the env role, as an environment: yatt.rl.agents.hosted)
+                    env = RemoteEnv(
+                        self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,
+                        wait_s=self.config.request_timeout_s,
+                    )  # fmt: skip
+                    return await runner.run(
+                        row, generate, recorded=recorded, record=lambda turn: record(sample, turn),
+                        episode=hosted(env, seed=sampling_seed(self.seed, key)),
+                    )  # fmt: skip
             except NoCall as e:
                 raise ActorFailed(f"controller {self.shard}: group {key.as_str()}: {e}") from e
         if new_env is None:  # (in the env role: a process there while it lives; the others wait their turn)

@@ -14,5 +14,9 @@ row trained is the concatenation: prompt | generated (loss) | observation (no lo
 - ``episodes``: one episode's run, turn by turn, and the row it leaves (mask, versions).
 - ``client``: agent code that drives its own episode (``env.episode``): its client's
   calls (token in/out, or chat messages through the renderer) are the turns.
+- ``endpoint``: the OpenAI-compatible endpoint that serves agent code's requests as calls.
+- ``remote``: an episode's environment in the env role, as the controller sees it.
+- ``hosted``: agent code in the env role (its calls forwarded to the controller).
+- ``demonstrations``: scripted episodes played through the run's episode code (warm start).
 - ``games``: built-in environments (guess the number; also as agent code).
 """

@@ -29,8 +29,10 @@ no room left in the context budget, raises ``EpisodeOver`` (the episode ends as
 'max_turns' / 'budget'; a function that catches it may still return its reward); the
 function's own time between calls is bounded by ``env.episode_timeout_s`` (generation not
 counted; past it the episode ends as 'timeout'); a function that raises ends its episode
-as 'env_error' with the reason. It runs in the controller's event loop: it must be
-``async def`` and must not block (run blocking work with ``asyncio.to_thread``).
+as 'env_error' with the reason. It runs where environments run: in the env role, each
+episode in a process of its own under the env limits, its calls forwarded to the
+controller (``yatt.rl.agents.hosted``); with ``env.inline``, in the controller's event loop,
+where it must be ``async def`` and must not block (blocking work: ``asyncio.to_thread``).
 
 Resuming: a restarted controller runs the function again with the episode's recorded
 turns: each of its calls up to the last recorded one is answered from the record (no
@@ -85,6 +87,11 @@ class NoCall(ValueError):
 
 class HistoryRewritten(Exception):
     """A call whose ids do not extend the previous call's ids and reply."""
+
+
+class AgentFailed(Exception):
+    """A hosted function (``yatt.rl.agents.hosted``) raised, or returned something that is
+    not a reward: the message says which and why (the episode ends as env_error)."""
 
 
 def load_episode(path: str) -> Episode:
@@ -297,17 +304,21 @@ class AgentRunner(Runner):
         self.endpoint = endpoint
 
     async def run(
-        self, row: dict[str, Any], generate: Generate, *, recorded: list[Turn] | None = None, record: Record | None = None
+        self, row: dict[str, Any], generate: Generate, *, recorded: list[Turn] | None = None, record: Record | None = None,
+        episode: Episode | None = None,
     ) -> tuple[list[int], Trajectory]:  # fmt: skip
         """One episode: (its prompt, the first call's ids; its trajectory after the prompt).
-        A function that ends before any call leaves nothing to train: ``NoCall``."""
+        A function that ends before any call leaves nothing to train: ``NoCall``.
+        ``episode``: what runs instead of the function here (``yatt.rl.agents.hosted.hosted``:
+        the function in the env role, its calls forwarded; it serves its own endpoint)."""
         client = EpisodeClient(self, generate, recorded=list(recorded or []), record=record)
-        if self.endpoint is not None:
-            await self.endpoint.start()
-            client.base_url, client.api_key = self.endpoint.base_url, self.endpoint.open(client)
-            client.endpoint = self.endpoint
+        serving = self.endpoint if episode is None else None
+        if serving is not None:
+            await serving.start()
+            client.base_url, client.api_key = serving.base_url, serving.open(client)
+            client.endpoint = serving
         began, reward, ended, detail = time.monotonic(), None, "done", ""
-        task = asyncio.ensure_future(self.episode(client, dict(row)))
+        task = asyncio.ensure_future((episode or self.episode)(client, dict(row)))
         try:
             while True:
                 left = self.config.episode_timeout_s - client.user_s(began)
@@ -328,8 +339,8 @@ class AgentRunner(Runner):
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            if self.endpoint is not None:
-                self.endpoint.forget(client.api_key)
+            if serving is not None:
+                serving.forget(client.api_key)
         if client.diverged is not None:
             raise client.diverged
         if client.prompt_ids is None:
@@ -345,6 +356,8 @@ class AgentRunner(Runner):
         error = task.exception()
         if isinstance(error, EpisodeOver):
             return None, error.ended, str(error)
+        if isinstance(error, AgentFailed):
+            return None, "env_error", f"env.episode {self.config.episode!r}: {error}"
         if error is not None:
             return None, "env_error", f"env.episode {self.config.episode!r}: {type(error).__name__}: {error}"
         value = task.result()

@@ -1,6 +1,7 @@
 """An OpenAI-compatible endpoint for agent code written against the ``openai`` SDK.
 
-Each controller that runs ``env.episode`` functions serves, on loopback only, what an
+Each episode process of the env role that runs an ``env.episode`` function (``yatt.rl.agents.hosted``;
+with ``env.inline``, each controller, for its episodes) serves, on loopback only, what an
 ``openai.AsyncOpenAI`` client calls::
 
     POST /v1/chat/completions   messages, tools, tool_choice, max_tokens / max_completion_tokens,
@@ -10,7 +11,8 @@ Each controller that runs ``env.episode`` functions serves, on loopback only, wh
 Every episode gets its own key (``client.api_key``; ``client.base_url`` is the endpoint's
 ``/v1``): a request is answered only with a live episode's key, and it reaches only that
 episode's ``EpisodeClient.chat``, the same path as a direct call: the reply's tokens kept,
-the call a recorded turn. So agent code ports with one line::
+the call a recorded turn. In the env role, ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` are
+set to them, so agent code ports unchanged (``openai.AsyncOpenAI()``), or with one line::
 
     async def run(client, row):
         llm = client.openai()   # or openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)
@@ -18,7 +20,7 @@ the call a recorded turn. So agent code ports with one line::
         ...
 
 ``client.openai()`` is that ``openai.AsyncOpenAI``, its HTTP connections shared by the
-controller's episodes: a new ``AsyncOpenAI()`` (like a new ``httpx.AsyncClient``) loads the
+endpoint's episodes: a new ``AsyncOpenAI()`` (like a new ``httpx.AsyncClient``) loads the
 CA bundle for TLS, ~20 ms of CPU here, on every episode's start (`benchmarks/endpoint.py`).
 
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 401 for a
@@ -32,20 +34,19 @@ endpoint keeps serving. ``tool_choice`` ``none`` renders the request without its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import secrets
 import socket
+import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from yatt.rl.agents.client import EpisodeOver, HistoryRewritten
-
-if TYPE_CHECKING:
-    from yatt.rl.agents.client import EpisodeClient
 
 HOST = "127.0.0.1"
 
@@ -58,15 +59,31 @@ class BadRequest(Exception):
         self.param, self.code, self.status = param, code, status
 
 
+class Chats(Protocol):
+    """An episode's client as the endpoint serves it (``EpisodeClient``, or a hosted agent's
+    ``HostedClient``): ``chat``, then the reply's tokens and the prompt's length."""
+
+    last_prompt_tokens: int
+
+    @property
+    def last_turn(self) -> Any: ...
+    async def chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, max_tokens: int | None = None
+    ) -> dict[str, Any]: ...
+
+
 class Endpoint:
     """The HTTP server of one controller's episodes (started on first use)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, http: Any = None) -> None:
+        """``http``: the ``openai.DefaultAsyncHttpxClient`` its episodes' clients share (made
+        here on first use when None; a hosted agent's is its env worker's, made before the
+        fork: its TLS set-up is not paid per episode process)."""
         self.model = model
-        self._episodes: dict[str, EpisodeClient] = {}
+        self._episodes: dict[str, Chats] = {}
         self._runner: web.AppRunner | None = None
         self.base_url = ""
-        self._http: Any = None  # the episodes' openai clients' connections (the SDK's own httpx client)
+        self._http: Any = http  # the episodes' openai clients' connections (the SDK's own httpx client)
         self._starting = asyncio.Lock()
 
     async def start(self) -> None:
@@ -100,7 +117,7 @@ class Endpoint:
             self._http = openai.DefaultAsyncHttpxClient()
         return _episode_openai()(base_url=self.base_url, api_key=key, http_client=self._http)
 
-    def open(self, client: EpisodeClient) -> str:
+    def open(self, client: Chats) -> str:
         """A new key for ``client``'s episode."""
         key = f"yatt-{secrets.token_urlsafe(24)}"
         self._episodes[key] = client
@@ -111,7 +128,7 @@ class Endpoint:
 
     # ------------------------------------------------------------------ handlers
 
-    def _episode(self, request: web.Request) -> EpisodeClient:
+    def _episode(self, request: web.Request) -> Chats:
         auth = request.headers.get("Authorization", "")
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         client = self._episodes.get(key)
@@ -160,6 +177,52 @@ class Endpoint:
                  "choices": [choice], "usage": usage}
             )  # fmt: skip
         return await _stream(request, completion_id, created, self.model, reply, finish, usage, ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CannedTurn:
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str = "stop"
+
+
+class _Canned:
+    """An episode that answers every chat with one fixed message (``warm_openai``'s)."""
+
+    last_prompt_tokens = 0
+    last_turn = _CannedTurn()
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None, max_tokens: int | None = None
+    ) -> dict[str, Any]:  # fmt: skip
+        return {"role": "assistant", "content": "ok"}
+
+
+def warm_openai() -> Any:
+    """The ``openai.DefaultAsyncHttpxClient`` (its TLS set up) that endpoints made after a
+    fork share, after one round trip through an endpoint and the SDK (in a thread of its
+    own, on a loop of its own): what they load and build on first use (the SDK's lazy
+    modules, anyio's backend, the response models' schemas) is then loaded. An env worker
+    calls it once before its episode processes fork: each would pay ~0.1 s of CPU for them.
+    None without the ``openai`` package."""
+    try:
+        import openai
+    except ImportError:
+        return None
+
+    async def round_trip() -> None:
+        endpoint = Endpoint("warm-up")
+        await endpoint.start()
+        try:
+            llm = endpoint.openai(endpoint.open(_Canned()))
+            await llm.chat.completions.create(model="warm-up", messages=[{"role": "user", "content": "hi"}])
+            _ = [m async for m in llm.models.list()]
+        finally:
+            await endpoint.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(round_trip(),), name="openai-warm-up")
+    thread.start()
+    thread.join()
+    return openai.DefaultAsyncHttpxClient()
 
 
 @functools.cache

@@ -74,7 +74,7 @@ def with_run_keys(cfg: RunConfig, run_dir: Path) -> RunConfig:
     return dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, curve=True, curve_keys_dir=str(keys)))
 
 
-def demonstrated(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> dict[int, tuple[list[int], list[bool]]]:
+def demonstrated(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> dict[int, list[tuple[list[int], list[bool]]]]:
     """The training rows of the prompts that carry a demonstration, by prompt index: each
     played through the run's own episode code (its environment or tools, or its
     ``env.episode`` function and endpoint), as a rollout of those turns would be."""
@@ -94,7 +94,7 @@ def demonstrated(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> dic
     if eos_id is None:
         raise ConfigError(f"the tokenizer of {model_path} has no EOS token, which ends a demonstrated answer")
 
-    async def play_all() -> dict[int, tuple[list[int], list[bool]]]:
+    async def play_all() -> dict[int, list[tuple[list[int], list[bool]]]]:
         try:
             return {
                 p.index: await play(
@@ -182,7 +182,7 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
     with writing(model_path):
         done = warm_start(
             model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts if p.index not in shown],
-            rows=list(shown.values()), steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
+            rows=[row for rows in shown.values() for row in rows], steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
         )
     what = "answers" if not shown else "demonstrated episodes" if len(shown) == len(prompts) else f"answers ({len(shown)}: demonstrated episodes)"
     print(

@@ -171,6 +171,11 @@ async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Trans
         await _serve(actor, args.registry, stop, until=lambda: controller.run(stop))
 
 
+def served_model(cfg: RunConfig) -> str:
+    """The model name agent code's OpenAI-compatible endpoint serves (``/v1/models``)."""
+    return Path(cfg.model.path).name or "policy"
+
+
 def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | AgentRunner, EnvFactory | None]:
     """A controller's episode runner (its renderer checked against the model's chat
     template) and, for ``env.inline``, its environment factory (else None: the env role's);
@@ -196,7 +201,7 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | Ag
     runner: EpisodeRunner | AgentRunner = (
         AgentRunner(
             cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context,
-            endpoint=Endpoint(Path(cfg.model.path).name or "policy"),
+            endpoint=Endpoint(served_model(cfg)),
         )
         if cfg.env.episode
         else EpisodeRunner(cfg.env, renderer, decode=decode, eos_ids=eos_ids, max_new_tokens=new_tokens, context=context)
@@ -232,7 +237,7 @@ async def _reward(
 async def _env(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from workers.env import EnvWorker
 
-    actor = EnvWorker(transport, endpoint=f"tcp://{args.host}:*", config=cfg.env, model=Path(cfg.model.path).name or "policy")
+    actor = EnvWorker(transport, endpoint=f"tcp://{args.host}:*", config=cfg.env, model=served_model(cfg))
     await _serve(actor, args.registry, stop)
 
 

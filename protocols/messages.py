@@ -174,6 +174,24 @@ class ScoredGroup(Message):
     token_versions: list[Tensor] = field(default_factory=list)  # n x [L_i] int64, the version that sampled each token; -1 on observations
     episodes: list[EpisodeInfo] = field(default_factory=list)  # n, how each episode went
     token_advantages: list[Tensor] = field(default_factory=list)  # n x [L_i] float32, per token (credit per turn); empty: ``advantages``
+    forked: list[ForkedRow] = field(default_factory=list)  # more rows of the samples: agent calls that did not extend their row
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkedRow:
+    """One more training row of a sample (``ScoredGroup.forked``): agent code's call whose
+    context did not extend the sample's row so far (a rewritten history, a summary, a
+    sub-agent) started it; its own prompt (that call's context: no loss, so a turn it
+    repeats is trained once, in its own row), then its turns and observations, with its
+    sample's advantage on the policy's tokens."""
+
+    sample: int  # the sample (episode) it belongs to, 0-based
+    prompt_ids: Tensor  # [P] int32
+    completion_ids: Tensor  # [L] int32
+    completion_mask: Tensor  # [L] bool, True on the policy's own tokens
+    rollout_logprobs: Tensor  # [L] float32
+    token_versions: Tensor  # [L] int64; -1 on observations
+    advantages: Tensor  # [L] float32, per token (0 on observations)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -139,26 +139,34 @@ class RunLog:
 
     def _episode(self, group: ScoredGroup, i: int) -> dict[str, Any]:
         """An episode's turns (each its action, the observation after it, the environment's
-        reward) and how it ended, from the completion's spans: the policy's (mask 1) and the
-        observations (mask 0)."""
-        ids, mask, info = group.completion_ids[i].tolist(), group.completion_masks[i].tolist(), group.episodes[i]
+        reward; ``row``: which of the sample's rows, 0 the first, k its k-th fork) and how it
+        ended, from each row's spans: the policy's (mask 1) and the observations (mask 0)."""
+        info = group.episodes[i]
+        rows = [(group.completion_ids[i], group.completion_masks[i])]
+        rows += [(f.completion_ids, f.completion_mask) for f in group.forked if f.sample == i]
+        turns: list[dict[str, Any]] = []
+        for r, (ids, mask) in enumerate(rows):
+            turns += [{**turn, "row": r} for turn in self._turns(ids.tolist(), mask.tolist())]
+        for turn, reward in zip(turns, info.turn_rewards, strict=False):
+            turn["reward"] = None if math.isnan(reward) else reward
+        return {"turns": turns, "rows": len(rows), "ended": info.ended, "tool_errors": info.tool_errors, "ended_detail": info.detail}
+
+    def _turns(self, ids: list[int], mask: list[bool]) -> list[dict[str, Any]]:
+        """One row's turns: each its action and the observation after it."""
         spans: list[tuple[bool, list[int]]] = []
         for token, own in zip(ids, mask, strict=True):
             if spans and spans[-1][0] == own:
                 spans[-1][1].append(token)
             else:
                 spans.append((own, [token]))
-        decode = self._tokenizer.decode
         turns: list[dict[str, Any]] = []
         for own, span in spans:
-            text = str(decode(span, skip_special_tokens=not own))
+            text = str(self._tokenizer.decode(span, skip_special_tokens=not own))
             if own:
                 turns.append({"action": text, "observation": ""})
             elif turns:
                 turns[-1]["observation"] = text
-        for turn, reward in zip(turns, info.turn_rewards, strict=False):
-            turn["reward"] = None if math.isnan(reward) else reward
-        return {"turns": turns, "ended": info.ended, "tool_errors": info.tool_errors, "ended_detail": info.detail}
+        return turns
 
     def close(self) -> None:
         if self._writer is not None:

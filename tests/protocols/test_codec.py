@@ -102,6 +102,14 @@ SAMPLES: list[P.Message] = [
                 advantages=torch.tensor([0.0]),
                 policy_versions=torch.tensor([2], dtype=torch.int64),
                 finish_reasons=["length"],
+                forked=[
+                    P.ForkedRow(
+                        sample=0, prompt_ids=torch.tensor([9, 3], dtype=torch.int32),
+                        completion_ids=torch.tensor([5, 6], dtype=torch.int32), completion_mask=torch.tensor([True, False]),
+                        rollout_logprobs=torch.tensor([-0.5, 0.0]), token_versions=torch.tensor([3, -1], dtype=torch.int64),
+                        advantages=torch.tensor([0.5, 0.0]),
+                    )
+                ],
             )
         ],
     ),

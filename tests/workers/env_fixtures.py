@@ -90,7 +90,7 @@ async def openai_agent(client: Any, row: dict[str, Any]) -> dict[str, Any]:
 async def chatty_agent(client: Any, row: dict[str, Any]) -> float:
     """``row["turns"]`` chat calls through the client, each after the last reply and a user
     message; then, by ``row["then"]``: 'raise' (a RuntimeError), 'rewrite' (a call that
-    edits the first message), 'spin' (burns CPU), 'return' (returns a text), 'over' (one
+    edits the first message: a new row), 'spin' (burns CPU), 'return' (returns a text), 'over' (one
     call more than env.max_turns allows, caught: the reward still said); else the reward 1."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": "count"}]
     for i in range(row.get("turns", 2)):

@@ -71,11 +71,12 @@ def test_metrics_and_rollouts_reach_every_sink(tiny_model_dir: Path, tmp_path: P
 
 
 def test_an_episodes_turns_are_in_the_rollouts_and_the_text_tab(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A multi-turn group: each row shows every turn (action, observation, reward) and how
-    the episode ended, in rollouts.jsonl and in TensorBoard's text tab."""
+    """A multi-turn group: each row shows every turn (action, observation, reward, which of
+    the sample's rows it is in) and how the episode ended, in rollouts.jsonl and in
+    TensorBoard's text tab; sample 1's third turn forked a row."""
     import dataclasses
 
-    from protocols.messages import EpisodeInfo
+    from protocols.messages import EpisodeInfo, ForkedRow
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     base = group(tiny_model_dir)
@@ -85,7 +86,11 @@ def test_an_episodes_turns_are_in_the_rollouts_and_the_text_tab(tiny_model_dir: 
     episode = dataclasses.replace(
         base, completion_ids=[ids, ids], rollout_logprobs=[torch.zeros(len(ids))] * 2, completion_masks=[mask, mask],
         token_versions=[torch.zeros(len(ids), dtype=torch.int64)] * 2,
-        episodes=[EpisodeInfo(ended="done", turns=2, turn_rewards=[0.0, 1.0], tool_errors=0)] * 2,
+        episodes=[EpisodeInfo(ended="done", turns=2, turn_rewards=[0.0, 1.0], tool_errors=0),
+                  EpisodeInfo(ended="done", turns=3, turn_rewards=[0.0, 0.0, 1.0], tool_errors=0)],
+        forked=[ForkedRow(sample=1, prompt_ids=ids, completion_ids=ids[:1], completion_mask=mask[:1],
+                          rollout_logprobs=torch.zeros(1), token_versions=torch.zeros(1, dtype=torch.int64),
+                          advantages=torch.zeros(1))],
     )  # fmt: skip
     log = RunLog(tmp_path, str(tiny_model_dir), report_to=["tensorboard"])
     try:
@@ -93,10 +98,12 @@ def test_an_episodes_turns_are_in_the_rollouts_and_the_text_tab(tiny_model_dir: 
     finally:
         log.close()
     assert rows[0]["turns"] == [
-        {"action": "3", "observation": "\n<|user|>Higher.\n<|assistant|>", "reward": 0.0},
-        {"action": "5", "observation": "", "reward": 1.0},
+        {"action": "3", "observation": "\n<|user|>Higher.\n<|assistant|>", "reward": 0.0, "row": 0},
+        {"action": "5", "observation": "", "reward": 1.0, "row": 0},
     ]
-    assert rows[0]["ended"] == "done" and rows[0]["tool_errors"] == 0
+    assert rows[0]["ended"] == "done" and rows[0]["tool_errors"] == 0 and rows[0]["rows"] == 1
+    assert [(t["action"], t["row"], t["reward"]) for t in rows[1]["turns"]] == [("3", 0, 0.0), ("5", 0, 0.0), ("3", 1, 1.0)]
+    assert rows[1]["rows"] == 2
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     [text] = events.Tensors("rollouts/text_summary")

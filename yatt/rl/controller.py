@@ -46,6 +46,7 @@ from protocols.messages import (
     Completion,
     Completions,
     DispatchPlan,
+    ForkedRow,
     GenerateRequest,
     GroupKey,
     Message,
@@ -159,8 +160,8 @@ def scored_episodes(
                 token_ids=torch.tensor(t.ids, dtype=torch.int32),
                 logprobs=torch.tensor(t.logprobs, dtype=torch.float32),
                 finish_reason=t.finish_reason,
-                policy_version_min=min((v for v in t.versions if v >= 0), default=0),
-                policy_version_max=max(t.versions, default=0),
+                policy_version_min=min((v for row in t.rows for v in row.versions if v >= 0), default=0),
+                policy_version_max=max((v for row in t.rows for v in row.versions), default=0),
             )
             for t in trajectories
         ],
@@ -180,23 +181,41 @@ def scored_episodes(
             if rewards:  # the scorer mix judges the whole transcript: the last turn's
                 rewards[-1] += final
         per_turn = rl_math.turn_advantages(turn_rewards, gamma=env.gamma, std_normalize=algorithm.advantage != "dr_grpo")
-        per_token = [_spread(advantages, t) for advantages, t in zip(per_turn, trajectories, strict=True)]
+        spread = [_spread(advantages, t) for advantages, t in zip(per_turn, trajectories, strict=True)]
+        per_token = [rows[0] for rows in spread]
         first = [float(a[0]) if a.numel() else 0.0 for a in per_turn]
         group = dataclasses.replace(group, advantages=torch.tensor(first, dtype=torch.float32))
+    forked = [
+        ForkedRow(
+            sample=i, prompt_ids=torch.tensor(fork.prompt_ids, dtype=torch.int32),
+            completion_ids=torch.tensor(fork.ids, dtype=torch.int32), completion_mask=torch.tensor(fork.mask, dtype=torch.bool),
+            rollout_logprobs=torch.tensor(fork.logprobs, dtype=torch.float32),
+            token_versions=torch.tensor(fork.versions, dtype=torch.int64),
+            advantages=spread[i][1 + j] if per_token else float(group.advantages[i]) * torch.tensor(fork.mask, dtype=torch.float32),
+        )  # fmt: skip
+        for i, t in enumerate(trajectories)
+        for j, fork in enumerate(t.forks)
+    ]
     return dataclasses.replace(
         group,
         completion_masks=masks,
         token_versions=[torch.tensor(t.versions, dtype=torch.int64) for t in trajectories],
         episodes=[t.info for t in trajectories],
         token_advantages=per_token,
+        forked=forked,
     )
 
 
-def _spread(per_turn: torch.Tensor, trajectory: Trajectory) -> torch.Tensor:
-    """Turn t's advantage on turn t's tokens, 0 on the observations: [L]."""
-    out = torch.zeros(len(trajectory.ids), dtype=torch.float32)
-    for advantage, (start, end) in zip(per_turn.tolist(), trajectory.turns, strict=True):
-        out[start:end] = advantage
+def _spread(per_turn: torch.Tensor, trajectory: Trajectory) -> list[torch.Tensor]:
+    """Turn t's advantage on turn t's tokens, 0 on the observations: [L] per row of the
+    episode (its turns in call order: the first row's, then each fork's)."""
+    advantages = iter(per_turn.tolist())
+    out = []
+    for row in trajectory.rows:
+        spread = torch.zeros(len(row.ids), dtype=torch.float32)
+        for start, end in row.turns:
+            spread[start:end] = next(advantages)
+        out.append(spread)
     return out
 
 

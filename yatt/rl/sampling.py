@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from protocols.codec import decode, decode_fields, encode
-from protocols.messages import GroupKey, MicroBatch, ScoredGroup, TurnRecord
+from protocols.messages import ForkedRow, GroupKey, MicroBatch, ScoredGroup, TurnRecord
 from yatt.errors import ConfigError, ProtocolError
 from yatt.rl.config import BufferConfig
 from yatt.rl.ledger import EVENT_STATUSES, GROUP_STATUSES, Ledger, Status
@@ -121,6 +121,22 @@ def _validate_episodes(group: ScoredGroup, where: str) -> None:
     for i, mask in enumerate(group.completion_masks):
         if mask.dtype != torch.bool or (mask.numel() and not bool(mask.any())):
             raise ProtocolError(f"{where}: completion_masks[{i}] must be bool with a policy token in it (got {mask.tolist()[:8]})")
+    for j, fork in enumerate(group.forked):
+        if not 0 <= fork.sample < n:
+            raise ProtocolError(f"{where}: forked[{j}].sample is {fork.sample}; the group has samples 0..{n - 1}")
+        if fork.prompt_ids.dim() != 1 or fork.prompt_ids.numel() == 0:
+            raise ProtocolError(f"{where}: forked[{j}].prompt_ids must be [P] with P >= 1 (got {tuple(fork.prompt_ids.shape)})")
+        for name in ("completion_mask", "rollout_logprobs", "token_versions", "advantages"):
+            values = getattr(fork, name)
+            if fork.completion_ids.dim() != 1 or values.shape != fork.completion_ids.shape:
+                raise ProtocolError(
+                    f"{where}: forked[{j}].{name} has shape {tuple(values.shape)}, its completion_ids "
+                    f"{tuple(fork.completion_ids.shape)}; one per token"
+                )
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                raise ProtocolError(f"{where}: forked[{j}].{name} holds NaN or inf")
+        if fork.completion_mask.dtype != torch.bool or not bool(fork.completion_mask.any()):
+            raise ProtocolError(f"{where}: forked[{j}].completion_mask must be bool with a policy token in it")
 
 
 EMA_FLOOR = 1e-3
@@ -166,8 +182,9 @@ def step_report(consumed: list[tuple[ScoredGroup, bool]], *, rollouts: int) -> t
 def episode_report(groups: list[ScoredGroup]) -> dict[str, float]:
     """Multi-turn groups' metrics (none for single-turn ones): episode/turns/mean,
     episode/tool_errors/mean (per episode), episode/ended/<how> (the share that ended so:
-    done, truncated, max_turns, budget, timeout, env_error) and episode/obs_share (the
-    share of an episode's tokens that are observations: no loss)."""
+    done, truncated, max_turns, budget, timeout, env_error), episode/obs_share (the
+    share of an episode's tokens that are observations: no loss) and episode/fork_share
+    (the share of agent code's calls that did not extend their row: each began a row)."""
     episodes = [e for g in groups for e in g.episodes]
     if not episodes:
         return {}
@@ -177,6 +194,7 @@ def episode_report(groups: list[ScoredGroup]) -> dict[str, float]:
         "episode/turns/mean": sum(e.turns for e in episodes) / len(episodes),
         "episode/tool_errors/mean": sum(e.tool_errors for e in episodes) / len(episodes),
         "episode/obs_share": (tokens - sum(int(m.sum()) for m in masks)) / max(tokens, 1),
+        "episode/fork_share": sum(len(g.forked) for g in groups) / max(sum(e.turns for e in episodes), 1),
     }
     for how in sorted({e.ended for e in episodes}):
         values[f"episode/ended/{how}"] = sum(e.ended == how for e in episodes) / len(episodes)
@@ -206,7 +224,8 @@ def newest_version(group: ScoredGroup | _Stored) -> int:
     """The newest policy version that sampled any token of ``group`` (an episode's turns
     can span a weight update: its per-sample version is its oldest token's)."""
     newest = int(group.policy_versions.max())
-    return max([newest, *(int(v.max()) for v in group.token_versions if v.numel())])
+    rows = [*group.token_versions, *(f.token_versions for f in group.forked)]
+    return max([newest, *(int(v.max()) for v in rows if v.numel())])
 
 
 class _Stored:
@@ -215,8 +234,8 @@ class _Stored:
     where a group is trained again or reported. Most groups of a long run were trained
     long ago: decoding every tensor of every one (~21 a group) was 70% of a replay."""
 
-    __slots__ = ("group_key", "payload", "policy_versions", "rewards", "token_versions")
-    NEEDED = ("group_key", "policy_versions", "rewards", "token_versions")
+    __slots__ = ("forked", "group_key", "payload", "policy_versions", "rewards", "token_versions")
+    NEEDED = ("group_key", "policy_versions", "rewards", "token_versions", "forked")
 
     def __init__(self, payload: bytes) -> None:
         fields = decode_fields(msgpack.unpackb(payload, raw=False), ScoredGroup, self.NEEDED)
@@ -225,6 +244,7 @@ class _Stored:
         self.policy_versions: torch.Tensor = fields["policy_versions"]
         self.rewards: torch.Tensor = fields["rewards"]
         self.token_versions: list[torch.Tensor] = fields["token_versions"]
+        self.forked: list[ForkedRow] = fields["forked"]
 
     def full(self) -> ScoredGroup:
         return unpack(self.payload)
@@ -792,11 +812,12 @@ class SamplingBuffer:
     # ------------------------------------------------------------ micro-batches
 
     def _split(self, groups: list[ScoredGroup], step: int, index: int) -> list[MicroBatch]:
-        """One micro-batch per rank, the same number of samples each, balanced by tokens:
-        longest first, each to the rank with the fewest tokens so far (LPT)."""
-        samples = [(gi, i) for gi, group in enumerate(groups) for i in range(len(group.completion_ids))]
-        length = {s: len(groups[s[0]].prompt_ids) + len(groups[s[0]].completion_ids[s[1]]) for s in samples}
-        per_rank = len(samples) // self.world_size
+        """One micro-batch per rank, the same number of rows each (one more on some where
+        forked rows make the count uneven), balanced by tokens: longest first, each to the
+        rank with the fewest tokens so far (LPT)."""
+        samples = [(gi, i) for gi, group in enumerate(groups) for i in range(len(group.completion_ids) + len(group.forked))]
+        length = {s: sum(len(part) for part in _row(groups[s[0]], s[1])[:2]) for s in samples}
+        per_rank = -(-len(samples) // self.world_size)
         ranks: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
         tokens = [0] * self.world_size
         for s in sorted(samples, key=lambda s: -length[s]):
@@ -808,7 +829,7 @@ class SamplingBuffer:
     def _micro_batch(
         self, groups: list[ScoredGroup], rows: list[tuple[int, int]], rank: int, step: int, index: int
     ) -> MicroBatch:
-        width = max(len(groups[gi].prompt_ids) + len(groups[gi].completion_ids[i]) for gi, i in rows)
+        width = max(sum(len(part) for part in _row(groups[gi], i)[:2]) for gi, i in rows)
         shape = (len(rows), width)
         input_ids = torch.full(shape, self.config.pad_token_id, dtype=torch.int64)
         attention = torch.zeros(shape, dtype=torch.bool)
@@ -817,19 +838,17 @@ class SamplingBuffer:
         advantages = torch.zeros(shape, dtype=torch.float32)
         versions = torch.zeros(len(rows), dtype=torch.int64)
         for b, (gi, i) in enumerate(rows):
-            group = groups[gi]
-            p, c = len(group.prompt_ids), len(group.completion_ids[i])
-            input_ids[b, :p] = group.prompt_ids
-            input_ids[b, p : p + c] = group.completion_ids[i]
+            prompt, completion, own, rollout, per_token, version = _row(groups[gi], i)
+            p, c = len(prompt), len(completion)
+            input_ids[b, :p] = prompt
+            input_ids[b, p : p + c] = completion
             attention[b, : p + c] = True
             # An episode's observations (mask 0) are not the policy's actions: no loss, no KL,
             # not in the token mean, no advantage.
-            own = group.completion_masks[i] if group.completion_masks else torch.ones(c, dtype=torch.bool)
             loss_mask[b, p : p + c] = own
-            logprobs[b, p : p + c] = group.rollout_logprobs[i]
-            per_token = group.token_advantages[i] if group.token_advantages else group.advantages[i]
+            logprobs[b, p : p + c] = rollout
             advantages[b, p : p + c] = per_token * own
-            versions[b] = group.policy_versions[i]
+            versions[b] = version
         return MicroBatch(
             step=step,
             rank=rank,
@@ -843,3 +862,17 @@ class SamplingBuffer:
             policy_versions=versions,
             group_keys=[groups[gi].group_key for gi, _ in rows],
         )
+
+
+def _row(group: ScoredGroup, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row ``i`` of a group (its samples', then its forked rows): (prompt ids, completion
+    ids, loss mask, rollout log-probs, advantage (per token, or the sample's), policy version)."""
+    n = len(group.completion_ids)
+    if i >= n:
+        fork = group.forked[i - n]
+        version = group.policy_versions[fork.sample]
+        return fork.prompt_ids, fork.completion_ids, fork.completion_mask, fork.rollout_logprobs, fork.advantages, version
+    c = len(group.completion_ids[i])
+    own = group.completion_masks[i] if group.completion_masks else torch.ones(c, dtype=torch.bool)
+    per_token = group.token_advantages[i] if group.token_advantages else group.advantages[i]
+    return group.prompt_ids, group.completion_ids[i], own, group.rollout_logprobs[i], per_token, group.policy_versions[i]

@@ -290,10 +290,10 @@ def test_credit_per_turn_puts_each_turns_advantage_on_its_tokens() -> None:
     each turn's return; each turn's tokens carry its advantage, observations 0; the buffer's
     row takes them as they are."""
     from protocols.messages import GroupKey, Scores
-    from yatt.rl.agents.episodes import Trajectory
+    from yatt.rl.agents.episodes import Fork, Trajectory
     from yatt.rl.config import AlgorithmConfig
     from yatt.rl.controller import scored_episodes
-    from yatt.rl.sampling import SamplingBuffer
+    from yatt.rl.sampling import SamplingBuffer, episode_report
 
     def episode(turns: list[list[int]], rewards: list[float]) -> Trajectory:
         t = Trajectory()
@@ -318,6 +318,23 @@ def test_credit_per_turn_puts_each_turns_advantage_on_its_tokens() -> None:
     buffer = SamplingBuffer(BufferConfig(groups_per_step=1, group_size=2), num_prompts=1, num_shards=1, world_size=1, seed=0, ledger=None)  # type: ignore[arg-type]
     mb = buffer._split([group], 0, 0)[0]
     assert mb.advantages[0, 2:6].tolist() == [0.75, 0.75, 0.0, 0.25], "row 0: episode 0 after its 2 prompt tokens"
+    # The same episode 0 whose second turn forked a row (its context 3 4 5 6): that turn's
+    # advantage goes on that row's tokens; the version in the forked row counts for staleness.
+    fork = Fork(prompt_ids=[3, 4, 5, 6])
+    fork.add([7], logprobs=[-0.1], version=4)
+    first = Trajectory()
+    first.add([5, 6], logprobs=[-0.1, -0.1], version=0)
+    first.forks.append(fork)
+    first.info = trajectories[0].info
+    group = scored_episodes(key, prompt, [first, trajectories[1]], scores, AlgorithmConfig(advantage="dr_grpo", aggregation="seq_mean_token_sum_norm", aggregation_norm=8), env)
+    assert group.token_advantages[0].tolist() == [0.75, 0.75] and group.token_advantages[1].tolist() == [-0.75]
+    [row] = group.forked
+    assert (row.sample, row.prompt_ids.tolist(), row.completion_ids.tolist(), row.advantages.tolist()) == (0, [3, 4, 5, 6], [7], [0.25])
+    assert row.token_versions.tolist() == [4] and group.policy_versions.tolist() == [0, 0]
+    # Credit per episode: the sample's advantage on the forked row's own tokens.
+    group = scored_episodes(key, prompt, [first, trajectories[1]], scores, AlgorithmConfig(), dataclasses.replace(env, credit="episode"))
+    assert group.forked[0].advantages.tolist() == [float(group.advantages[0])] and float(group.advantages[0]) > 0
+    assert episode_report([group])["episode/fork_share"] == 1 / 3, "1 of the group's 3 calls forked"
 
 
 def test_a_prompts_attempts_sample_with_one_seed() -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocols.messages import GroupKey, ScoredGroup
-from yatt.errors import ConfigError, PluginError
+from protocols.messages import ForkedRow, GroupKey, ScoredGroup
+from yatt.errors import ConfigError, PluginError, ProtocolError
 from yatt.rl.config import BufferConfig
 from yatt.rl.ledger import Ledger
-from yatt.rl.sampling import SamplingBuffer, epoch_order, step_report
+from yatt.rl.sampling import SamplingBuffer, epoch_order, newest_version, step_report, validate_group
 
 N_PROMPTS = 12
 
@@ -187,6 +187,50 @@ def test_micro_batches_are_balanced_and_aligned(tmp_path: Path) -> None:
             assert not (mb.loss_mask[row] & ~mb.attention_mask[row]).any()
     tokens = [int(mb.attention_mask.sum()) for mb in (a, b)]
     assert abs(tokens[0] - tokens[1]) <= 4
+
+
+def forked(group: ScoredGroup, sample: int, version: int = 0) -> ScoredGroup:
+    """``group`` with one more row of ``sample``: a forked call's (prompt 9 9 9; a turn of 3
+    tokens, an observation, a turn of 1)."""
+    mask = torch.tensor([True, True, True, False, True])
+    row = ForkedRow(
+        sample=sample, prompt_ids=torch.full((3,), 9, dtype=torch.int32), completion_ids=torch.tensor([4, 5, 6, 8, 4], dtype=torch.int32),
+        completion_mask=mask, rollout_logprobs=torch.tensor([-0.4, -0.5, -0.6, 0.0, -0.4]),
+        token_versions=torch.tensor([version] * 3 + [-1, version], dtype=torch.int64),
+        advantages=float(group.advantages[sample]) * mask.float(),
+    )  # fmt: skip
+    return dataclasses.replace(group, forked=[row])
+
+
+def test_a_forked_row_trains_as_a_row_of_its_own_with_its_samples_advantage(tmp_path: Path) -> None:
+    """Each of a step's 4 groups of 2 samples, sample 0 of the first with a forked row: 9
+    rows over 2 ranks (5 and 4); the forked row is its own prompt (no loss) then its turns
+    (loss, its sample's advantage) and observation (no loss)."""
+    buf = make_buffer(tmp_path, filter="none", micro_batches_per_step=1)
+    keys = [k for s in (0, 1) for k in buf.plan(s)]
+    for k in keys:
+        buf.offer(forked(make_group(k, 0), 0) if k == keys[0] else make_group(k, 0))
+    a, b = buf.ready[(0, 0)]
+    assert sorted([a.input_ids.shape[0], b.input_ids.shape[0]]) == [4, 5]
+    found = [(mb, r) for mb in (a, b) for r in range(mb.input_ids.shape[0]) if mb.input_ids[r, 0] == 9]
+    [(mb, r)] = found
+    assert mb.input_ids[r, :8].tolist() == [9, 9, 9, 4, 5, 6, 8, 4] and not mb.attention_mask[r, 8:].any()
+    assert mb.loss_mask[r, :8].tolist() == [False] * 3 + [True] * 3 + [False, True]
+    advantage = float(make_group(keys[0], 0).advantages[0])
+    assert advantage != 0 and mb.advantages[r, :8].tolist() == [0.0] * 3 + [advantage] * 3 + [0.0, advantage]
+    assert torch.allclose(mb.rollout_logprobs[r, 3:8], torch.tensor([-0.4, -0.5, -0.6, 0.0, -0.4]))
+    assert mb.group_keys[r] == keys[0]
+    # Its newest token is a version its sample's first row does not have: it counts.
+    assert newest_version(forked(make_group(keys[0], 0), 0, version=3)) == 3
+
+
+def test_a_forked_row_that_does_not_fit_its_group_is_refused_naming_it() -> None:
+    group = make_group(GroupKey(epoch=0, shard=0, prompt_index=1, attempt=0), 0)
+    with pytest.raises(ProtocolError, match=r"forked\[0\].sample is 2; the group has samples 0..1"):
+        validate_group(dataclasses.replace(forked(group, 0), forked=[dataclasses.replace(forked(group, 0).forked[0], sample=2)]), 2)
+    short = dataclasses.replace(forked(group, 1).forked[0], advantages=torch.zeros(2))
+    with pytest.raises(ProtocolError, match=r"forked\[0\].advantages has shape \(2,\), its completion_ids \(5,\)"):
+        validate_group(dataclasses.replace(group, forked=[short]), 2)
 
 
 STATE = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "attempts", "stats", "version_ceiling")

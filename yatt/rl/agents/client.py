@@ -17,12 +17,15 @@ log-probs, the text); ``client.chat(messages, tools=)`` renders through the run'
 is one turn of the episode, recorded in the ledger once the next call (or the end) shows
 what followed it.
 
-One row per sample, as the model saw it: every call's ids must extend the previous call's
-ids and reply (what was appended between them are the observation's tokens, masked out of
-the loss). Chat calls extend by construction while the conversation only grows: the new
-messages are rendered after the kept reply, never re-tokenised. A call that rewrites the
-history (a summary, a sub-agent, an edited message) raises ``HistoryRewritten``: a forked
-row is not trained yet, and the episode ends as ``env_error``, trained as far as it got.
+Rows as the model saw them: a call whose ids extend the previous call's ids and reply joins
+its row (what was appended between them are the observation's tokens, masked out of the
+loss). Chat calls extend by construction while the conversation only grows: the new
+messages are rendered after the kept reply, never re-tokenised. A call that does not (a
+rewritten history: a summary, an edited message, a sub-agent with a context of its own)
+starts a new row of the same sample (a ``Fork``): its context is that row's prompt, so a
+turn it repeats is context there, trained once, in the row that sampled it. Later calls
+extend the newest row (or fork again). Every row of a sample is trained with its advantage;
+the share of calls that forked is the ``episode/fork_share`` metric.
 
 Limits are the environment's (``env.*``): the call after ``env.max_turns`` calls, or one with
 no room left in the context budget, raises ``EpisodeOver`` (the episode ends as
@@ -53,7 +56,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from yatt.errors import PluginError
-from yatt.rl.agents.episodes import Diverged, Generate, Record, Runner, Trajectory, Turn
+from yatt.rl.agents.episodes import Diverged, Fork, Generate, Record, Row, Runner, Trajectory, Turn
 from yatt.rl.agents.render import Renderer
 from yatt.rl.agents.tools import ToolCallError, parse_tool_calls
 from yatt.rl.config import EnvConfig
@@ -83,10 +86,6 @@ class EpisodeOver(Exception):
 
 class NoCall(ValueError):
     """The function ended before its first call: no prompt, nothing to train."""
-
-
-class HistoryRewritten(Exception):
-    """A call whose ids do not extend the previous call's ids and reply."""
 
 
 class AgentFailed(Exception):
@@ -131,6 +130,8 @@ class EpisodeClient:
         self._record = record
         self.prompt_ids: list[int] | None = None  # the first call's ids
         self.out = Trajectory()
+        self._row: Row = self.out  # the row the calls extend: the first, or the newest fork
+        self._row_prompt: list[int] = []  # its prompt
         self._pending: Turn | None = None  # the last turn, until what follows it is known
         self._chat: list[dict[str, Any]] | None = None  # the last chat call's messages and reply
         self._tools: list[dict[str, Any]] | None = None  # the last tool schemas a chat call gave
@@ -139,8 +140,7 @@ class EpisodeClient:
         self.api_key = ""  # this episode's key there
         self.endpoint: Serves | None = None
         self.last_prompt_tokens = 0  # the last call's context, in tokens
-        self._lock = asyncio.Lock()  # (one call at a time: a second one at once would fork the row)
-        self.rewritten: HistoryRewritten | None = None  # (raised into the user's code, which may catch it)
+        self._lock = asyncio.Lock()  # (one call at a time: two at once would race for the row)
         self.diverged: Diverged | None = None  # (raised into the user's code, which may catch it)
         self.over: EpisodeOver | None = None  # (likewise)
         self._since: float | None = None  # when the generation under way began
@@ -178,7 +178,12 @@ class EpisodeClient:
         if self.over is not None:
             raise self.over
         if self.prompt_ids is None:
-            self.prompt_ids = ids
+            self.prompt_ids = self._row_prompt = ids
+        elif obs is None:  # a new row: the last turn ends its own with nothing after it
+            await self.close_turn([])
+            self._row = Fork(prompt_ids=ids)
+            self._row_prompt = ids
+            self.out.forks.append(self._row)
         else:
             await self.close_turn(obs)
         self.last_prompt_tokens = len(ids)
@@ -195,7 +200,7 @@ class EpisodeClient:
                 self._since = None
             token_ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
             version, finish = sampled.policy_version_min, sampled.finish_reason
-        self.out.add(token_ids, logprobs=logprobs, version=version)
+        self._row.add(token_ids, logprobs=logprobs, version=version)
         self.out.finish_reason = finish
         self.out.info = replace(self.out.info, turns=index + 1)
         self._pending = Turn(
@@ -209,8 +214,9 @@ class EpisodeClient:
     ) -> dict[str, Any]:  # fmt: skip
         """The assistant's reply to ``messages`` (OpenAI's chat shape), rendered by the run's
         renderer: the first call's messages (and ``tools``, JSON schemas as OpenAI's) as a
-        prompt; a later call's messages must start with the previous call's and its reply,
-        and only the messages after them are rendered. The reply: ``{"role": "assistant",
+        prompt; a later call whose messages start with the previous call's and its reply has
+        only the messages after them rendered (its row goes on); any other is rendered whole
+        (a new row of the sample, see the module docstring). The reply: ``{"role": "assistant",
         "content": text, "tool_calls": [...]}`` (tool calls parsed in ``env.protocol``'s
         format; none when they do not parse: the text is the content)."""
         async with self._lock:
@@ -221,23 +227,15 @@ class EpisodeClient:
     ) -> dict[str, Any]:  # fmt: skip
         runner = self._runner
         self._tools = tools or self._tools
-        if self._chat is None:
-            ids = runner.renderer.prompt([dict(m) for m in messages], tools=tools)
-        else:
-            kept = len(self._chat)
-            if [_comparable(m) for m in messages[:kept]] != [_comparable(m) for m in self._chat]:
-                raise self._rewritten(
-                    f"chat call {self.out.info.turns}: the messages do not start with the previous call's messages and "
-                    "its reply; a rewritten history would fork a new row, which yatt does not train yet: keep the "
-                    "conversation append-only (append the reply as returned, then the new messages)"
-                )
-            new = [dict(m) for m in messages[kept:]]
-            if not new:
-                raise self._rewritten(f"chat call {self.out.info.turns}: no new message after the previous reply")
-            assert self.prompt_ids is not None
-            last = self.out.turns[-1]
-            ended_with_eos = last[1] > last[0] and self.out.ids[last[1] - 1] in runner.eos_ids
-            ids = [*self.prompt_ids, *self.out.ids, *runner.renderer.observation(new, ended_with_eos=ended_with_eos)]
+        kept = len(self._chat or [])
+        new = [dict(m) for m in messages[kept:]]
+        if self._chat is None or not new or [_comparable(m) for m in messages[:kept]] != self._chat:
+            ids = runner.renderer.prompt([dict(m) for m in messages], tools=tools)  # (the first call, or a new row)
+        else:  # the conversation goes on: only the new messages rendered, after the kept reply
+            row = self._row
+            last = row.turns[-1]
+            ended_with_eos = last[1] > last[0] and row.ids[last[1] - 1] in runner.eos_ids
+            ids = [*self._row_prompt, *row.ids, *runner.renderer.observation(new, ended_with_eos=ended_with_eos)]
         reply = await self._generate_after(ids, max_tokens)
         message = _assistant(reply.text, runner.config, self.out.info.turns - 1, self._tools or [])
         self._chat = [*(_comparable(m) for m in messages), _comparable(message)]
@@ -245,22 +243,10 @@ class EpisodeClient:
 
     # ------------------------------------------------------------------ the runner's side
 
-    def _rewritten(self, message: str) -> HistoryRewritten:
-        self.rewritten = HistoryRewritten(message)
-        return self.rewritten
-
-    def _observation(self, ids: list[int]) -> list[int]:
-        """What ``ids`` appends to the episode so far; ``HistoryRewritten`` when it does not extend it."""
-        assert self.prompt_ids is not None
-        so_far = [*self.prompt_ids, *self.out.ids]
-        if ids[: len(so_far)] != so_far:
-            at = next((i for i, (a, b) in enumerate(zip(ids, so_far, strict=False)) if a != b), min(len(ids), len(so_far)))
-            raise self._rewritten(
-                f"call {self.out.info.turns}: its ids do not extend the previous call's ids and reply (they differ from "
-                f"token {at} of {len(so_far)}); a rewritten history would fork a new row, which yatt does not train "
-                "yet: append to the context, do not edit it"
-            )
-        return ids[len(so_far) :]
+    def _observation(self, ids: list[int]) -> list[int] | None:
+        """What ``ids`` appends to the row so far; None when it does not extend it (a new row)."""
+        so_far = [*self._row_prompt, *self._row.ids]
+        return ids[len(so_far) :] if ids[: len(so_far)] == so_far else None
 
     async def close_turn(self, obs_ids: list[int], *, reward: float | None = None, ended: str = "", detail: str = "") -> None:
         """The pending turn is finished: what followed it is known. Recorded, or checked
@@ -282,7 +268,7 @@ class EpisodeClient:
                 raise self.diverged
         elif self._record is not None:
             await self._record(done)
-        self.out.add(obs_ids)
+        self._row.add(obs_ids)
 
     def user_s(self, began: float) -> float:
         """The function's own time since ``began``: generation not counted."""
@@ -333,8 +319,6 @@ class AgentRunner(Runner):
                 reward, ended, detail = self._outcome(task)
                 if client.over is not None and ended == "done":  # (caught, and a reward said after it)
                     ended, detail = client.over.ended, str(client.over)
-                if client.rewritten is not None and ended != "env_error":  # (caught: the row is not what was asked)
-                    reward, ended, detail = None, "env_error", f"HistoryRewritten: {client.rewritten}"
         finally:
             if not task.done():
                 task.cancel()

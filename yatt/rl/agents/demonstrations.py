@@ -59,9 +59,10 @@ def actions_of(metadata: dict[str, Any], *, index: int) -> list[str] | None:
 async def play(
     runner: EpisodeRunner | AgentRunner, row: dict[str, Any], actions: list[str], *, prompt_ids: list[int],
     new_env: Callable[[], Any] | None, eos_id: int,
-) -> tuple[list[int], list[bool]]:  # fmt: skip
-    """The training row of ``row``'s episode with ``actions`` as the policy's turns: its
-    ids and, for each, whether it is the policy's (trained)."""
+) -> list[tuple[list[int], list[bool]]]:  # fmt: skip
+    """The training rows of ``row``'s episode with ``actions`` as the policy's turns (one;
+    agent code whose calls fork: one more per fork): each its ids and, for each, whether
+    it is the policy's (trained)."""
     where = f"prompt {row.get('index', '?')}'s {DEMONSTRATION}"
     generate, left = _scripted(runner, actions, eos_id=eos_id, where=where)
     if isinstance(runner, AgentRunner):
@@ -81,7 +82,8 @@ async def play(
             f"{where} did not play as an episode: it ended as {info.ended!r} after {info.turns} of its "
             f"{len(actions)} turns{f' ({info.detail})' if info.detail else ''}; fix the demonstration or the env.* limits"
         )
-    return prompt + trajectory.ids, [False] * len(prompt) + trajectory.mask
+    forks = [(f.prompt_ids + f.ids, [False] * len(f.prompt_ids) + f.mask) for f in trajectory.forks]
+    return [(prompt + trajectory.ids, [False] * len(prompt) + trajectory.mask), *forks]
 
 
 def _scripted(

@@ -24,9 +24,10 @@ endpoint's episodes: a new ``AsyncOpenAI()`` (like a new ``httpx.AsyncClient``) 
 CA bundle for TLS, ~20 ms of CPU here, on every episode's start (`benchmarks/endpoint.py`).
 
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 401 for a
-key that is not a live episode's, 400 for a malformed request (naming the field), a
-rewritten history or a spent limit (the episode ends as it would through ``client``); the
-endpoint keeps serving. ``tool_choice`` ``none`` renders the request without its tools;
+key that is not a live episode's, 400 for a malformed request (naming the field) or a
+spent limit (the episode ends as it would through ``client``); the endpoint keeps serving.
+A request whose messages rewrite the history starts a new row of the episode, as a
+``client.chat`` call does. ``tool_choice`` ``none`` renders the request without its tools;
 ``auto`` and ``required`` are the model's to follow (the reply is what it sampled);
 ``n`` must be 1 (a group's n samples are n episodes).
 """
@@ -46,7 +47,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from yatt.rl.agents.client import EpisodeOver, HistoryRewritten
+from yatt.rl.agents.client import EpisodeOver
 
 HOST = "127.0.0.1"
 
@@ -156,9 +157,8 @@ class Endpoint:
             messages, tools, max_tokens = _parse(body)
             try:
                 reply = await client.chat(messages, tools=tools, max_tokens=max_tokens)
-            except (HistoryRewritten, EpisodeOver) as e:
-                code = e.ended if isinstance(e, EpisodeOver) else "history_rewritten"
-                raise BadRequest(str(e), param="messages", code=code) from e
+            except EpisodeOver as e:
+                raise BadRequest(str(e), param="messages", code=e.ended) from e
         except BadRequest as e:
             return _error(e)
         turn = client.last_turn

@@ -70,16 +70,15 @@ class Diverged(Exception):
 
 
 @dataclass
-class Trajectory:
-    """An episode after its prompt: what the ScoredGroup carries for one sample."""
+class Row:
+    """A training row after its prompt: the policy's turns (as sampled) and the
+    observations between them."""
 
     ids: list[int] = field(default_factory=list)  # generated turns and observations
     mask: list[bool] = field(default_factory=list)  # True on the policy's own tokens
     logprobs: list[float] = field(default_factory=list)  # rollout log-probs; 0 on observations
     versions: list[int] = field(default_factory=list)  # the version that sampled each token; -1 on observations
     turns: list[tuple[int, int]] = field(default_factory=list)  # each turn's [start, end) in ``ids``
-    finish_reason: str = "stop"  # the last turn's: "stop" or "length"
-    info: EpisodeInfo = field(default_factory=lambda: EpisodeInfo(ended="done", turns=0, turn_rewards=[], tool_errors=0))
 
     def add(self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1) -> None:
         own = logprobs is not None
@@ -90,10 +89,33 @@ class Trajectory:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.versions += [version if own else -1] * len(ids)
 
+
+@dataclass
+class Fork(Row):
+    """A row started by agent code's call whose context did not extend the row before it
+    (``yatt.rl.agents.client``): that context is its prompt."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory(Row):
+    """An episode after its prompt: what the ScoredGroup carries for one sample (its first
+    row; agent code's rows after a fork in ``forks``, in call order)."""
+
+    finish_reason: str = "stop"  # the last turn's: "stop" or "length"
+    info: EpisodeInfo = field(default_factory=lambda: EpisodeInfo(ended="done", turns=0, turn_rewards=[], tool_errors=0))
+    forks: list[Fork] = field(default_factory=list)
+
     @property
     def env_reward(self) -> float:
         """The environment's rewards over the turns (None counted as 0)."""
         return sum(r for r in self.info.turn_rewards if not math.isnan(r))
+
+    @property
+    def rows(self) -> list[Row]:
+        """Every row of the episode, the first one first."""
+        return [self, *self.forks]
 
 
 class Runner:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from yatt.rl.agents.client import EPISODE, AgentFailed, Episode, EpisodeOver, Generation, HistoryRewritten
+from yatt.rl.agents.client import EPISODE, AgentFailed, Episode, EpisodeOver, Generation
 
 if TYPE_CHECKING:
     from yatt.rl.agents.endpoint import Endpoint
@@ -95,10 +95,8 @@ class HostedClient:
     async def _ask(self, call: dict[str, Any]) -> dict[str, Any]:
         async with self._lock:
             answer = await self._env.call(call)
-        if "error" in answer:
-            if answer["error"] == "EpisodeOver":
-                raise EpisodeOver(answer["ended"], answer["message"])
-            raise HistoryRewritten(answer["message"])
+        if "error" in answer:  # (EpisodeOver: the only refusal)
+            raise EpisodeOver(answer["ended"], answer["message"])
         self.last_turn = Replied(token_ids=answer["token_ids"], finish_reason=answer["finish_reason"])
         self.last_prompt_tokens = answer["prompt_tokens"]
         return answer
@@ -250,8 +248,8 @@ def _call_of(messages: list[dict[str, str]]) -> dict[str, Any]:
 
 
 async def _answer(client: Client, call: dict[str, Any]) -> dict[str, Any]:
-    """The controller's reply to one call: the turn sampled (and recorded), or the limit or
-    rewrite that refused it (raised into the function as it would be inline)."""
+    """The controller's reply to one call: the turn sampled (and recorded), or the limit that
+    refused it (raised into the function as it would be inline)."""
     try:
         if call["call"] == "generate":
             generation = await client.generate(call["ids"], max_tokens=call.get("max_tokens"))
@@ -262,7 +260,5 @@ async def _answer(client: Client, call: dict[str, Any]) -> dict[str, Any]:
             raise AgentFailed(f"a hosted agent's call {call['call']!r} is neither chat nor generate")
     except EpisodeOver as e:
         return {"error": "EpisodeOver", "ended": e.ended, "message": str(e)}
-    except HistoryRewritten as e:
-        return {"error": "HistoryRewritten", "message": str(e)}
     turn = client.last_turn
     return {**out, "token_ids": turn.token_ids, "finish_reason": turn.finish_reason, "prompt_tokens": client.last_prompt_tokens}

@@ -1,6 +1,6 @@
 """Agent code that drives its own episode (``env.episode``): its calls become the row,
-token for token; its limits, errors and a rewritten history end the episode with the
-reason; a recorded episode replays without generating."""
+token for token; a rewritten history starts a new row of the sample; its limits and
+errors end the episode with the reason; a recorded episode replays without generating."""
 
 from __future__ import annotations
 
@@ -62,20 +62,32 @@ async def test_chat_calls_make_one_row_the_replies_kept_the_new_messages_rendere
     assert replies[0] == {"role": "assistant", "content": "5"}
 
 
-async def test_token_in_token_out_and_a_rewritten_history_ends_the_episode_naming_it(tokenizer: Any) -> None:
+async def test_token_in_token_out_and_a_rewritten_history_forks_a_row_whose_shared_turn_is_context(tokenizer: Any) -> None:
+    """Calls 0 and 1 extend one row; call 2 (a summary that repeats turn 0 after another
+    prompt) does not: it starts a new row, its context that row's prompt (turn 0 in it is
+    context, not trained again); call 3 extends the new row."""
+    turn = [*tokenizer.encode("5", add_special_tokens=False), tokenizer.eos_token_id]
+
     async def agent(client: Any, row: dict[str, Any]) -> float:
         first = await client.generate([1, 2, 3])
-        assert first.token_ids == [*tokenizer.encode("5", add_special_tokens=False), tokenizer.eos_token_id]
-        assert first.text == "5" and len(first.logprobs) == len(first.token_ids)
-        await client.generate([1, 2, 3, *first.token_ids, 7, 7])  # extends: 7 7 is the observation
-        await client.generate([1, 2, 9])  # a summary: not the same row
+        assert first.token_ids == turn and first.text == "5" and len(first.logprobs) == len(first.token_ids)
+        await client.generate([1, 2, 3, *turn, 7, 7])  # extends: 7 7 is the observation
+        await client.generate([1, 9, *turn])  # a summary: a new row
+        await client.generate([1, 9, *turn, *turn, 8])  # extends the new row: 8 is its observation
         return 1.0
 
     run, generate = runner(tokenizer, agent), policy(tokenizer)
     prompt, out = await play(run, generate)
-    assert prompt == [1, 2, 3] and len(generate.seen) == 2
-    assert out.info.ended == "env_error" and "HistoryRewritten" in out.info.detail and "from token 2 of" in out.info.detail
-    assert out.mask.count(False) == 2 and out.info.turns == 2, "trained as far as it got"
+    assert prompt == [1, 2, 3] and len(generate.seen) == 4
+    assert (out.info.ended, out.info.turns, out.env_reward) == ("done", 4, 1.0)
+    assert out.ids == turn + [7, 7] + turn and out.mask == [True] * len(turn) + [False, False] + [True] * len(turn)
+    [fork] = out.forks
+    assert fork.prompt_ids == [1, 9, *turn], "the forking call's context, no loss"
+    assert fork.ids == turn + [8] + turn and fork.mask == [True] * len(turn) + [False] + [True] * len(turn)
+    assert fork.versions == [2] * len(turn) + [-1] + [2] * len(turn)
+    assert generate.seen[3][0] == fork.prompt_ids + fork.ids[: len(turn) + 1]
+    # Four turns sampled, four trained: turn 0 is in the fork's prompt as context only.
+    assert sum(out.mask) + sum(fork.mask) == 4 * len(turn)
 
 
 async def test_limits_end_the_episode_and_a_function_may_still_say_its_reward(tokenizer: Any) -> None:
@@ -154,6 +166,29 @@ async def test_a_recorded_episode_replays_its_turns_without_generating(tokenizer
     other[0] = Turn(**{**other[0].__dict__, "obs_ids": [9, 9]})
     with pytest.raises(Diverged, match="turn 0 replayed to another outcome"):
         await play(run, policy(tokenizer, text="1"), recorded=other)
+
+
+async def test_a_recorded_episode_that_forked_replays_into_the_same_rows(tokenizer: Any) -> None:
+    """Killed after the forking call's turn was recorded: the function runs again, its calls
+    answered from the record (the fork found again from its calls), only the last generated."""
+
+    async def agent(client: Any, row: dict[str, Any]) -> float:
+        first = await client.chat([{"role": "user", "content": "a"}])
+        summary = [{"role": "user", "content": f"summary {first['content']}"}]
+        second = await client.chat(summary)
+        await client.chat([*summary, second, {"role": "user", "content": "go on"}])
+        return 1.0
+
+    run, records = runner(tokenizer, agent), list[Turn]()
+
+    async def record(turn: Turn) -> None:
+        records.append(turn)
+
+    prompt, whole = await play(run, policy(tokenizer), record=record)
+    assert len(whole.forks) == 1 and [t.obs_ids == [] for t in records] == [True, False, True], "nothing follows turn 0 in its row"
+    again, resumed = await play(run, generate := policy(tokenizer), recorded=records[:2], record=record)
+    assert len(generate.seen) == 1 and (again, resumed.ids, resumed.mask) == (prompt, whole.ids, whole.mask)
+    assert [(f.prompt_ids, f.ids, f.mask, f.versions) for f in resumed.forks] == [(f.prompt_ids, f.ids, f.mask, f.versions) for f in whole.forks]
 
 
 async def test_chat_replies_carry_the_tool_calls_in_openais_shape(tokenizer: Any) -> None:

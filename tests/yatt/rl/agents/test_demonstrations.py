@@ -46,7 +46,7 @@ async def test_a_tool_demonstration_is_the_row_a_rollout_of_its_turns_gives(toke
     config = EnvConfig(tools=["yatt.rl.agents.tools:calculator"], protocol="tags", instructions="")
     run = runner(tokenizer, config)
     prompt = run.renderer.prompt([{"role": "user", "content": ROW["prompt"]}])
-    ids, mask = await play(run, ROW, [CALL, ANSWER], prompt_ids=[], new_env=env_factory(config), eos_id=tokenizer.eos_token_id)
+    [(ids, mask)] = await play(run, ROW, [CALL, ANSWER], prompt_ids=[], new_env=env_factory(config), eos_id=tokenizer.eos_token_id)
     call, result = run.renderer.encode(CALL), run.renderer.encode("<result>85</result>")
     answer = [*run.renderer.encode(ANSWER), tokenizer.eos_token_id]
     # The prompt as the tool environment writes it (no system paragraph: instructions ""), the
@@ -61,7 +61,7 @@ async def test_agent_code_plays_a_demonstration_through_its_own_openai_client(to
     run = runner(tokenizer, config)
     assert isinstance(run, AgentRunner) and run.endpoint is not None
     try:
-        ids, mask = await play(run, ROW, [CALL, ANSWER], prompt_ids=[], new_env=None, eos_id=tokenizer.eos_token_id)
+        [(ids, mask)] = await play(run, ROW, [CALL, ANSWER], prompt_ids=[], new_env=None, eos_id=tokenizer.eos_token_id)
     finally:
         await run.endpoint.close()
     prompt = run.renderer.prompt([{"role": "user", "content": ROW["prompt"]}])
@@ -127,7 +127,7 @@ async def test_the_guess_tasks_demonstrations_play_through_the_game_won_or_run_o
     for index, (prompt, metadata) in enumerate(rows):
         actions = actions_of(metadata, index=index)
         assert actions is not None
-        ids, mask = await play(
+        [(ids, mask)] = await play(
             run, {**metadata, "prompt": prompt, "index": index}, actions, prompt_ids=[], new_env=env_factory(config),
             eos_id=tokenizer.eos_token_id,
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoint, called by the real ``openai`` client from agent code:
 a call round-trips with its tokens recorded as the turn, a wrong key and a malformed
 request get OpenAI's error shape while the endpoint keeps serving, a rewritten history
-ends the episode."""
+starts a new row."""
 
 from __future__ import annotations
 
@@ -117,24 +117,33 @@ async def test_a_wrong_key_or_a_malformed_request_gets_openais_error_and_the_end
     assert seen["served"] == "5" and out.info.ended == "done"
 
 
-async def test_a_rewritten_history_through_the_endpoint_ends_the_episode(tokenizer: Any) -> None:
+async def test_a_rewritten_history_through_the_endpoint_starts_a_new_row(tokenizer: Any) -> None:
+    """A summary instead of the conversation: answered as any request, its messages
+    rendered whole as the prompt of a new row of the episode; the next request, which
+    goes on from it, extends that row."""
     endpoint = Endpoint("tiny")
 
     async def agent(client: Any, row: dict[str, Any]) -> float:
         llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
-        await llm.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}])
-        try:  # a summary instead of the conversation: refused, and the agent goes on regardless
-            await llm.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "summary"}])
-        except openai.BadRequestError as e:
-            assert e.code == "history_rewritten"
+        first = await llm.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}])
+        summary: list[Any] = [{"role": "user", "content": f"summary: a -> {first.choices[0].message.content}"}]
+        second = await llm.chat.completions.create(model="tiny", messages=summary)
+        summary += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+        await llm.chat.completions.create(model="tiny", messages=summary)
         return 1.0
 
+    run, generate = runner(tokenizer, agent, endpoint), policy(tokenizer)
     try:
-        _, out = await runner(tokenizer, agent, endpoint).run({"index": 0}, policy(tokenizer))
+        prompt, out = await run.run({"index": 0}, generate)
     finally:
         await endpoint.close()
-    assert out.info.ended == "env_error" and "HistoryRewritten" in out.info.detail and out.env_reward == 0.0
-    assert out.info.turns == 1 and all(out.mask)
+    assert (out.info.ended, out.info.turns, out.env_reward) == ("done", 3, 1.0)
+    turn = [*tokenizer.encode("5", add_special_tokens=False), tokenizer.eos_token_id]
+    assert prompt == run.renderer.prompt([{"role": "user", "content": "a"}]) and out.ids == turn
+    [fork] = out.forks
+    assert fork.prompt_ids == run.renderer.prompt([{"role": "user", "content": "summary: a -> 5"}])
+    obs = run.renderer.observation([{"role": "user", "content": "and?"}], ended_with_eos=True)
+    assert fork.ids == turn + obs + turn and generate.seen[2][0] == fork.prompt_ids + turn + obs
 
 
 async def test_episodes_starting_together_share_one_server() -> None:

@@ -132,17 +132,32 @@ async def test_a_lost_worker_s_agent_is_rebuilt_on_another_without_generating_a_
     assert one.started + two.started == 2 and one.episodes == two.episodes == {}
 
 
+async def test_a_hosted_agent_that_rewrites_its_history_forks_a_row(transport: Transport, tokenizer: Any) -> None:
+    """Two chat calls, then one whose first message is edited: a new row of the sample,
+    its prompt the whole edited conversation rendered."""
+    config = EnvConfig(episode=CHATTY, max_turns=4)
+    directory, worker, close = await one_worker(transport, config)
+    try:
+        _, out, _ = await run_hosted(tokenizer, directory, config, {"then": "rewrite"}, policy(tokenizer))
+    finally:
+        await close()
+    assert (out.info.ended, out.info.turns, out.env_reward) == ("done", 3, 1.0) and len(out.forks) == 1
+    renderer = Renderer(tokenizer, protocol=config.render_protocol)
+    turn = {"role": "assistant", "content": "5"}
+    edited = [{"role": "user", "content": "edited"}, turn, {"role": "user", "content": "again 1"}, turn, {"role": "user", "content": "and?"}]
+    assert out.forks[0].prompt_ids == renderer.prompt(edited)
+
+
 @pytest.mark.parametrize(
     ("row", "limits", "ended", "detail"),
     [
         ({"then": "raise"}, {}, "env_error", f"env.episode {CHATTY!r}: RuntimeError: the agent gave up"),
         ({"then": "return"}, {}, "env_error", f"env.episode {CHATTY!r}: returned 'done', not an async function"),
-        ({"then": "rewrite"}, {}, "env_error", "HistoryRewritten: chat call 2: the messages do not start with"),
         ({"then": "over"}, {"max_turns": 2}, "max_turns", "env.max_turns=2 calls made"),
         ({"then": "spin"}, {"cpu_limit_s": 1.0}, "env_error", "the episode's process died during step (past its CPU limit"),
         ({"then": "spin"}, {"episode_timeout_s": 2.0}, "timeout", "env.episode took over env.episode_timeout_s=2 s"),
     ],
-    ids=["raises", "returns text", "rewrites history", "caught its limit", "CPU limit", "hangs"],
+    ids=["raises", "returns text", "caught its limit", "CPU limit", "hangs"],
 )
 async def test_what_a_hosted_agent_raises_returns_or_overruns_ends_its_episode_naming_it(
     transport: Transport, tokenizer: Any, row: dict[str, Any], limits: dict[str, Any], ended: str, detail: str

@@ -13,13 +13,18 @@ controller runs ``env.episode`` functions (``yatt.rl.agents.client.AgentRunner``
 - ``openai``: the same agent written against the ``openai`` SDK (``client.openai()``: an
   ``openai.AsyncOpenAI`` with the episode's base URL and key, on shared connections): the
   endpoint's cost plus the SDK's own (it validates and transforms every request's whole
-  message list in Python, which grows with the conversation).
+  message list in Python, which grows with the conversation);
+- ``hosted``: the ``openai`` agent as ``env.inline: false`` runs it (the default): in an
+  episode process of a real env worker (forked per episode, under the env limits), its
+  requests to that process's own endpoint, each call forwarded over the pipe and the env
+  role's messages to the controller side (``yatt.rl.agents.hosted``): the whole path.
 
 All sample with the same seeds, so they generate the same tokens. Figures: each mode's
 turn time (wall x episodes / turns: one episode's turn, the others batched beside it) and
 calls/s, medians of ``repeats``; ``<mode>_added_s_per_turn`` over ``direct``; the ratios
 ``endpoint_cost_share`` (http's added time over the direct turn time; the issue's target:
-< 10%) and ``openai_sdk_cost_share`` (likewise, the SDK's). On this workload every
+< 10%), ``openai_sdk_cost_share`` (likewise, the SDK's) and ``hosting_cost_share`` (hosted's
+added time over openai's: the env role's process, pipe and messages). On this workload every
 episode's client, the endpoint and the generator share one process and 2 cores, so what
 the SDK spends in Python delays the turns; an agent in a process of its own pays it there.
 
@@ -104,12 +109,16 @@ async def measure(opts: Options, model_dir: Path) -> dict[str, list[dict[str, fl
     from transformers import AutoTokenizer
 
     from workers.engines import make_engine
+    from workers.env import EnvWorker
     from workers.generator import Generator
     from yatt.rl.agents.client import AgentRunner
     from yatt.rl.agents.endpoint import Endpoint
+    from yatt.rl.agents.hosted import hosted
+    from yatt.rl.agents.remote import RemoteEnv
     from yatt.rl.agents.render import Renderer
     from yatt.rl.config import EnvConfig, GeneratorConfig
     from yatt.runtime.actor import Client
+    from yatt.runtime.registry import Directory, Registration, Registry
     from yatt.runtime.transport import Transport, TransportConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -121,8 +130,9 @@ async def measure(opts: Options, model_dir: Path) -> dict[str, list[dict[str, fl
             eos_ids={tokenizer.eos_token_id}, max_new_tokens=opts.max_new_tokens, context=2048, episode=fn,
             endpoint=endpoint,
         )  # fmt: skip
-        for mode, fn in (("direct", direct), ("http", through_http), ("openai", through_openai))
+        for mode, fn in (("direct", direct), ("http", through_http), ("openai", through_openai), ("hosted", through_openai))
     }
+    env = EnvConfig(episode="benchmarks.endpoint:through_openai", max_turns=opts.turns)
     engine = await asyncio.to_thread(make_engine, str(model_dir), GeneratorConfig())
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in runners}
     try:
@@ -130,7 +140,12 @@ async def measure(opts: Options, model_dir: Path) -> dict[str, list[dict[str, fl
             Transport(TransportConfig(hwm=0)) as transport,
             Generator(transport, endpoint="tcp://127.0.0.1:*", engine=engine, config=GeneratorConfig()) as generator,
             Client(transport, generator.endpoint) as gen,
+            Registry(transport, endpoint="tcp://127.0.0.1:*", publish_endpoint="tcp://127.0.0.1:*") as registry,
+            EnvWorker(transport, endpoint="tcp://127.0.0.1:*", config=env, model="tiny") as worker,
+            Registration(transport, registry.endpoint, worker.info()),
+            Directory(transport, registry.endpoint) as directory,
         ):  # fmt: skip
+            await directory.wait_until(lambda d: bool(d.members("env")), timeout=30)
 
             async def once(mode: str) -> dict[str, float]:
                 calls = [0]
@@ -145,7 +160,12 @@ async def measure(opts: Options, model_dir: Path) -> dict[str, list[dict[str, fl
                         request = GenerateRequest(group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling)
                         return (await gen.request(request, Completions)).completions[0]
 
-                    _, out = await runners[mode].run({"turns": opts.turns}, generate)
+                    row = {"turns": opts.turns}
+                    if mode == "hosted":
+                        remote = RemoteEnv(directory, name=f"bench/{i}", timeout_s=env.episode_timeout_s, wait_s=30.0)
+                        _, out = await runners[mode].run(row, generate, episode=hosted(remote, seed=0))
+                    else:
+                        _, out = await runners[mode].run(row, generate)
                     if out.info.ended != "done":
                         raise RuntimeError(f"{mode} episode {i} ended {out.info.ended}: {out.info.detail}")
 
@@ -176,9 +196,12 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     for mode, rows in runs.items():
         result.figures[f"{mode}_turn_s"] = statistics.median(r["wall_s"] * opts.episodes / r["calls"] for r in rows)
         result.figures[f"{mode}_calls_per_s"] = statistics.median(r["calls"] / r["wall_s"] for r in rows)
-    for mode, ratio in (("http", "endpoint_cost_share"), ("openai", "openai_sdk_cost_share")):
+    for mode, base, ratio in (
+        ("http", "direct", "endpoint_cost_share"), ("openai", "direct", "openai_sdk_cost_share"),
+        ("hosted", "openai", "hosting_cost_share"),
+    ):  # fmt: skip
         added = statistics.median(
-            (m["wall_s"] - d["wall_s"]) * opts.episodes / d["calls"] for m, d in zip(runs[mode], runs["direct"], strict=True)
+            (m["wall_s"] - d["wall_s"]) * opts.episodes / d["calls"] for m, d in zip(runs[mode], runs[base], strict=True)
         )  # fmt: skip
         result.figures[f"{mode}_added_s_per_turn"] = added
         result.ratios[ratio] = added / result.figures["direct_turn_s"]
@@ -189,6 +212,8 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     result.notes.append(
         "http: the same agent's requests posted to yatt's OpenAI-compatible endpoint (HTTP on loopback), "
         "endpoint_cost_share its added time per turn over the direct turn time; openai: through the openai SDK "
-        "(its own request validation and transform of the whole message list included), openai_sdk_cost_share"
+        "(its own request validation and transform of the whole message list included), openai_sdk_cost_share; "
+        "hosted: that agent in an env worker's episode process (a fork per episode; each call over its pipe and the "
+        "env role's messages), hosting_cost_share its added time per turn over openai's, over the direct turn time"
     )
     return result

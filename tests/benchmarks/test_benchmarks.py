@@ -178,10 +178,13 @@ def test_agents_quick_measures_each_mode(tmp_path: Path) -> None:
 
 
 def test_endpoint_quick_measures_each_way_of_asking(tmp_path: Path) -> None:
-    """The same episodes asked directly, over HTTP and through the openai SDK: every mode
-    ran its turns, and the ratios are the added time over the direct turn."""
+    """The same episodes asked directly, over HTTP, through the openai SDK and through it
+    hosted in an env worker: every mode ran its turns, and the ratios are the added time
+    over the direct turn."""
     data = run_quick("endpoint", tmp_path)
     figures, ratios = data["figures"], data["ratios"]
-    assert all(figures[f"{mode}_turn_s"] > 0 and figures[f"{mode}_calls_per_s"] > 0 for mode in ("direct", "http", "openai"))
-    assert set(ratios) == {"endpoint_cost_share", "openai_sdk_cost_share"}
+    modes = ("direct", "http", "openai", "hosted")
+    assert all(figures[f"{mode}_turn_s"] > 0 and figures[f"{mode}_calls_per_s"] > 0 for mode in modes)
+    assert set(ratios) == {"endpoint_cost_share", "openai_sdk_cost_share", "hosting_cost_share"}
     assert ratios["endpoint_cost_share"] == pytest.approx(figures["http_added_s_per_turn"] / figures["direct_turn_s"])
+    assert ratios["hosting_cost_share"] == pytest.approx(figures["hosted_added_s_per_turn"] / figures["direct_turn_s"])

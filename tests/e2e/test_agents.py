@@ -48,11 +48,14 @@ def test_the_agent_examples_run_episodes(tmp_path: Path, example: str) -> None:
 LEARNED = 0.2
 """How much the agent examples' held-out greedy success must rise over their 20 steps
 (issues 31 and 34). An AMD EPYC without AMX (2026-12-06), run.seed 0: agent_guess and
-agent_client (the same game as agent code: the same tokens) 0.61 -> 1.00, agent_calculator 0.16 -> 0.46, agent_openai 0.17 -> 0.41; agent_calculator with
-trainer.lr=1e-9 (no learning) 0.16 -> 0.16."""
+agent_client (the same game as agent code: the same tokens) 0.61 -> 1.00, agent_calculator
+0.16 -> 0.46, agent_openai 0.17 -> 0.41 (in the env role as in the controllers: the same
+tokens); agent_calculator with trainer.lr=1e-9 (no learning) 0.16 -> 0.16. agent_client is
+not run here: it trains agent_guess's tokens (its run's episodes are checked against an
+undisturbed one in the kill tests)."""
 
 
-@pytest.mark.parametrize("example", ["agent_guess", "agent_client", "agent_calculator", "agent_openai"])
+@pytest.mark.parametrize("example", ["agent_guess", "agent_calculator", "agent_openai"])
 def test_the_agent_examples_learn(tmp_path: Path, example: str) -> None:
     """The examples as they are (their warm start plays the rows' demonstrations through
     the same game, tool loop or agent code): the held-out share of games won (halving the
@@ -64,7 +67,7 @@ def test_the_agent_examples_learn(tmp_path: Path, example: str) -> None:
     start, end = (float(e["eval/reward/accuracy"]) for e in (evals[0], evals[-1]))  # type: ignore[arg-type]
     assert round(end - start, 6) >= LEARNED, f"held-out success {start:.2f} -> {end:.2f}, less than +{LEARNED}"
     rollouts = lines(run_dir / "rollouts.jsonl")
-    if example in ("agent_guess", "agent_client"):  # (won after feedback: a game of several turns)
+    if example == "agent_guess":  # (won after feedback: a game of several turns)
         assert any(len(r["turns"]) > 1 and float(r["reward"]) == 1.0 for r in rollouts)  # type: ignore[arg-type]
     else:  # (the calculator called, and the answer right)
         assert any("<tool>calculator(" in str(r["completion"]) and float(r["reward"]) == 1.0 for r in rollouts)  # type: ignore[arg-type]

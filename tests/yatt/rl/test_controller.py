@@ -24,6 +24,7 @@ from workers.env import EnvWorker
 from workers.generator import Generator
 from workers.reward.worker import Reward
 from yatt.errors import ActorFailed
+from yatt.rl.agents.client import AgentRunner
 from yatt.rl.agents.envs import env_factory
 from yatt.rl.agents.episodes import EpisodeRunner
 from yatt.rl.agents.render import Renderer
@@ -98,18 +99,20 @@ def calculator_script(text: str, seed: int | None) -> str:
 
 async def run_group(
     transport: Transport, tmp_path: Path, model_dir: Path, env: EnvConfig, script: Any, *, group_size: int = 2,
-    first: Any = None, hosted: bool = False, workers: list[EnvWorker] | None = None,
+    first: Any = None, hosted: bool = False, workers: list[EnvWorker] | None = None, metadata: dict[str, Any] | None = None,
 ) -> tuple[ScoredGroup, MicroBatch, Any, ScriptedEngine]:
     """One group through the controller: the buffer's accepted group and the micro-batch it
     serves rank 0 of a 1-rank trainer. ``first``: the script of a first controller, which
     dies when it raises (its requests fail every try); a second one then follows ``script``
     (the engine's calls are those of the second). ``hosted``: the environments in a real
-    env worker (the env role), not in the controller; ``workers`` gets it."""
+    env worker (the env role), not in the controller; ``workers`` gets it. ``env.episode``:
+    agent code (hosted: in the env role; else ``env.inline`` must say so); ``metadata``:
+    more fields of each prompt's row."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = ScriptedEngine(tokenizer, first or script)
     prompts = [Prompt(index=i, prompt_ids=tokenizer.encode(f"<|user|>What is 3 * 7? ({i})\n<|assistant|>"),
-                      text=f"What is 3 * 7? ({i})", metadata={"answer": "21"}) for i in range(4)]  # fmt: skip
+                      text=f"What is 3 * 7? ({i})", metadata={"answer": "21", **(metadata or {})}) for i in range(4)]  # fmt: skip
     buffer_config = BufferConfig(groups_per_step=1, group_size=group_size, filter="none", pad_token_id=0)
     async with (
         Registry(transport, endpoint=LOCAL, publish_endpoint=LOCAL) as registry,
@@ -135,7 +138,8 @@ async def run_group(
                 await stack.enter_async_context(Registration(transport, registry.endpoint, worker.info()))
                 roles.append("env")
             await directory.wait_until(lambda d: all(d.members(r) for r in roles), timeout=30)
-            runner = EpisodeRunner(
+            kind = AgentRunner if env.episode else EpisodeRunner
+            runner = kind(
                 env, Renderer(tokenizer, protocol="raw"), decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
                 eos_ids={tokenizer.eos_token_id}, max_new_tokens=32, context=512,
             )  # fmt: skip
@@ -143,7 +147,7 @@ async def run_group(
                 return Controller(
                     ControllerConfig(num_controllers=1, plan_wait_s=0.2, max_attempts=2), buffer_config_algorithm(),
                     shard=0, group_size=group_size, prompts=prompts, directory=directory, seed=0,
-                    episodes=(runner, None if hosted else env_factory(env)),
+                    episodes=(runner, None if hosted or env.episode else env_factory(env)),
                 )  # fmt: skip
 
             if first is not None:
@@ -210,6 +214,32 @@ async def test_a_tool_episode_trains_the_policys_tokens_only(
     assert not mb.loss_mask[0, :p].any()
     hole = slice(p + len(call_ids), p + len(call_ids) + len(result_ids))
     assert (mb.advantages[0, hole] == 0).all() and (mb.rollout_logprobs[0, hole] == 0).all()
+
+
+@pytest.mark.parametrize("hosted", [False, True], ids=["inline", "env role"])
+async def test_agent_code_that_rewrites_its_history_trains_a_forked_row_through_the_buffer(
+    transport: Transport, tmp_path: Path, tiny_model_dir: Path, hosted: bool
+) -> None:
+    """Agent code (two chat calls, then one with its first message edited) through a real
+    controller, generator, reward worker and buffer: each sample's third call starts a
+    row of its own, which the ScoredGroup carries (``forked``) and the trainer's
+    micro-batch holds beside the samples' rows: 4 rows, each turn trained once."""
+    env = EnvConfig(episode="tests.workers.env_fixtures:chatty_agent", max_turns=4, inline=not hosted)
+    group, mb, tokenizer, engine = await run_group(
+        transport, tmp_path, tiny_model_dir, env, lambda text, seed: ANSWER, hosted=hosted,
+        metadata={"then": "rewrite"},
+    )  # fmt: skip
+    answer = [*tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
+    assert [e.turns for e in group.episodes] == [3, 3] and [f.sample for f in group.forked] == [0, 1]
+    assert all(ids.tolist()[: len(answer)] == answer == ids.tolist()[-len(answer) :] for ids in group.completion_ids)
+    for fork in group.forked:
+        assert fork.completion_ids.tolist() == answer and fork.completion_mask.all()
+        assert tokenizer.decode(fork.prompt_ids.tolist()).startswith("<|user|>edited")
+        assert fork.advantages.tolist() == [float(group.advantages[fork.sample])] * len(answer)
+    assert sum(len(batch) for batch in engine.calls) == 6, "three calls an episode, each generated once"
+    assert mb.input_ids.shape[0] == 4 and int(mb.loss_mask.sum()) == 6 * len(answer)
+    rows = {tuple(mb.input_ids[r][mb.attention_mask[r]].tolist()) for r in range(4)}
+    assert {(*fork.prompt_ids.tolist(), *answer) for fork in group.forked} <= rows
 
 
 @pytest.mark.parametrize("concurrency", [1, 32])

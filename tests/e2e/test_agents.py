@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -116,35 +117,51 @@ def accepted_episodes(run_dir: Path) -> dict[str, list[list[int]]]:
         ledger.close()
 
 
-KILL_ITEMS = [str(REPO / "examples" / "agent_guess.yaml"), "run.steps=4", "placement.layout=disaggregated", "env.inline=false"]
+KILL_ITEMS = {
+    example: [str(REPO / "examples" / f"{example}.yaml"), "run.steps=4", "placement.layout=disaggregated", "env.inline=false"]
+    for example in ("agent_guess", "agent_client")  # an environment; agent code (hosted in the env role)
+}
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
-    """The episodes every group of the kill tests' run trains when nothing is killed."""
-    reference = tmp_path_factory.mktemp("agents") / "undisturbed"
-    run(reference, *KILL_ITEMS)
-    return accepted_episodes(reference)
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, list[list[int]]]]:
+    """The episodes every group of an example's kill-test run trains when nothing is
+    killed (its run made once, on first use)."""
+    done: dict[str, dict[str, list[list[int]]]] = {}
+
+    def episodes(example: str) -> dict[str, list[list[int]]]:
+        if example not in done:
+            reference = tmp_path_factory.mktemp(example) / "undisturbed"
+            run(reference, *KILL_ITEMS[example])
+            done[example] = accepted_episodes(reference)
+        return done[example]
+
+    return episodes
 
 
 @pytest.mark.parametrize(
-    ("role", "says"),
+    ("example", "role", "says"),
     [
-        ("controller", "resumes after turn"),  # its episodes go on after their recorded turns
-        ("env", "rebuilt on"),  # each episode of the env worker reset and its actions stepped again elsewhere
-        ("generator", "re-issuing"),  # the turns in flight asked again
+        ("agent_guess", "controller", "resumes after turn"),  # its episodes go on after their recorded turns
+        ("agent_guess", "env", "rebuilt on"),  # each episode of the env worker reset and its actions stepped again elsewhere
+        ("agent_guess", "generator", "re-issuing"),  # the turns in flight asked again
+        ("agent_client", "controller", "resumes after turn"),  # the function run again, its recorded calls answered from the ledger
+        ("agent_client", "env", "rebuilt on"),  # its process gone with its worker: the function run again with the replies it had
     ],
 )
 def test_a_role_killed_mid_episode_loses_no_turn(
-    tmp_path: Path, undisturbed: dict[str, list[list[int]]], role: str, says: str
+    tmp_path: Path, undisturbed: Callable[[str], dict[str, list[list[int]]]], example: str, role: str, says: str
 ) -> None:
     """SIGKILL a controller, the env worker or the generator once the ledger holds the
-    second turn of an episode (of 4): the launcher restarts it, the episodes go on (the
-    controllers' logs say how), and every group trains the same episodes, token for token,
-    as an undisturbed run."""
+    second turn of an episode (of 4), of an environment (agent_guess) or of agent code
+    hosted in the env role (agent_client, ``env.episode``): the launcher restarts it, the
+    episodes go on (the controllers' logs say how: agent code runs again with its calls up
+    to the one in flight answered as before, from the ledger or from the controller's record
+    of the replies it gave), and every group trains the same episodes, token for token, as
+    an undisturbed run."""
     run_dir = tmp_path / "killed"
-    proc = launch_run(run_dir, KILL_ITEMS, env={"YATT_LOG_LEVEL": "INFO"})
-    kill_mid_episode(run_dir, proc, role, says, undisturbed)
+    proc = launch_run(run_dir, KILL_ITEMS[example], env={"YATT_LOG_LEVEL": "INFO"})
+    kill_mid_episode(run_dir, proc, role, says, undisturbed(example))
 
 
 def kill_mid_episode(
@@ -173,33 +190,3 @@ def kill_mid_episode(
     episodes = accepted_episodes(run_dir)
     assert len(episodes) == 4 * 8 and episodes == undisturbed
 
-
-AGENT_KILL_ITEMS = [str(REPO / "examples" / "agent_client.yaml"), "run.steps=4", "placement.layout=disaggregated", "env.inline=false"]
-
-
-@pytest.fixture(scope="module")
-def undisturbed_agent(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[int]]]:
-    """The episodes every group of the agent-code kill tests' run trains when nothing is killed."""
-    reference = tmp_path_factory.mktemp("agent_code") / "undisturbed"
-    run(reference, *AGENT_KILL_ITEMS)
-    return accepted_episodes(reference)
-
-
-@pytest.mark.parametrize(
-    ("role", "says"),
-    [
-        ("controller", "resumes after turn"),  # the function run again, its recorded calls answered from the ledger
-        ("env", "rebuilt on"),  # the function's process gone with its worker: run again on the restarted one
-    ],
-)
-def test_agent_code_killed_mid_episode_loses_no_turn(
-    tmp_path: Path, undisturbed_agent: dict[str, list[list[int]]], role: str, says: str
-) -> None:
-    """``env.episode`` (the game as agent code, hosted in the env role): a controller, or
-    the env worker whose processes run the function, SIGKILLed once an episode's second
-    turn is recorded; the launcher restarts it, the function runs again with its calls up
-    to the one in flight answered as before (from the ledger, or from the controller's
-    record of the replies it gave), and every group trains what an undisturbed run trains."""
-    run_dir = tmp_path / "killed"
-    proc = launch_run(run_dir, AGENT_KILL_ITEMS, env={"YATT_LOG_LEVEL": "INFO"})
-    kill_mid_episode(run_dir, proc, role, says, undisturbed_agent)

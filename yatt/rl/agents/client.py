@@ -47,11 +47,13 @@ start. The function must be deterministic in the row and the replies it gets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import math
+import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -291,18 +293,29 @@ class AgentRunner(Runner):
 
     async def run(
         self, row: dict[str, Any], generate: Generate, *, recorded: list[Turn] | None = None, record: Record | None = None,
-        episode: Episode | None = None,
+        episode: Episode | None = None, environ: bool = False,
     ) -> tuple[list[int], Trajectory]:  # fmt: skip
         """One episode: (its prompt, the first call's ids; its trajectory after the prompt).
         A function that ends before any call leaves nothing to train: ``NoCall``.
         ``episode``: what runs instead of the function here (``yatt.rl.agents.hosted.hosted``:
-        the function in the env role, its calls forwarded; it serves its own endpoint)."""
+        the function in the env role, its calls forwarded; it serves its own endpoint).
+        ``environ``: set ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` to this episode's while it
+        runs (the process's environment: only where one episode runs at a time, as the warm
+        start plays its demonstrations), so an ``openai.AsyncOpenAI()`` made without them works."""
+        with _openai_environ(environ) as set_environ:
+            return await self._run(row, generate, recorded=recorded, record=record, episode=episode, set_environ=set_environ)
+
+    async def _run(
+        self, row: dict[str, Any], generate: Generate, *, recorded: list[Turn] | None, record: Record | None,
+        episode: Episode | None, set_environ: Callable[[str, str], None],
+    ) -> tuple[list[int], Trajectory]:  # fmt: skip
         client = EpisodeClient(self, generate, recorded=list(recorded or []), record=record)
         serving = self.endpoint if episode is None else None
         if serving is not None:
             await serving.start()
             client.base_url, client.api_key = serving.base_url, serving.open(client)
             client.endpoint = serving
+            set_environ(client.base_url, client.api_key)
         began, reward, ended, detail = time.monotonic(), None, "done", ""
         task = asyncio.ensure_future((episode or self.episode)(client, dict(row)))
         try:
@@ -352,6 +365,28 @@ class AgentRunner(Runner):
         if value is None:
             return None, "done", ""
         return None, "env_error", f"env.episode {self.config.episode!r} returned {value!r}, not {EPISODE}"
+
+
+@contextlib.contextmanager
+def _openai_environ(wanted: bool) -> Iterator[Callable[[str, str], None]]:
+    """A setter of OPENAI_BASE_URL and OPENAI_API_KEY (a no-op unless ``wanted``); what they
+    were is put back on exit."""
+    names = ("OPENAI_BASE_URL", "OPENAI_API_KEY")
+    before = {name: os.environ.get(name) for name in names}
+
+    def set_environ(base_url: str, api_key: str) -> None:
+        if wanted:
+            os.environ.update(zip(names, (base_url, api_key), strict=True))
+
+    try:
+        yield set_environ
+    finally:
+        if wanted:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _assistant(text: str, config: EnvConfig, turn: int, tools: list[dict[str, Any]]) -> dict[str, Any]:

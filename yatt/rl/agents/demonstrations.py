@@ -66,7 +66,7 @@ async def play(
     where = f"prompt {row.get('index', '?')}'s {DEMONSTRATION}"
     generate, left = _scripted(runner, actions, eos_id=eos_id, where=where)
     if isinstance(runner, AgentRunner):
-        prompt, trajectory = await runner.run(row, generate)
+        prompt, trajectory = await runner.run(row, generate, environ=True)  # (one at a time: an AsyncOpenAI() finds its endpoint)
     else:
         assert new_env is not None
         env = new_env()

@@ -5,6 +5,7 @@ code with the OpenAI endpoint alike); one that does not fit the run is refused b
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,29 @@ async def test_agent_code_plays_a_demonstration_through_its_own_openai_client(to
     answer = [*run.renderer.encode(ANSWER), tokenizer.eos_token_id]
     assert ids == prompt + call + tool + answer
     assert mask == [False] * len(prompt) + [True] * len(call) + [False] * len(tool) + [True] * len(answer)
+
+
+async def test_agent_code_whose_openai_client_reads_the_environment_plays_a_demonstration(tokenizer: Any) -> None:
+    """``openai.AsyncOpenAI()`` with no arguments, as the env role runs it: the warm start's
+    episodes (played one at a time in the launcher) set OPENAI_BASE_URL and OPENAI_API_KEY."""
+    import openai
+
+    async def agent(client: Any, row: dict[str, Any]) -> float:
+        llm = openai.AsyncOpenAI(max_retries=0)
+        await llm.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        return 1.0
+
+    config = EnvConfig(episode="yatt.rl.agents.games:calculator_agent", protocol="tags")
+    run = runner(tokenizer, config)
+    assert isinstance(run, AgentRunner) and run.endpoint is not None
+    run.episode = agent
+    try:
+        [(ids, mask)] = await play(run, ROW, [ANSWER], prompt_ids=[], new_env=None, eos_id=tokenizer.eos_token_id)
+    finally:
+        await run.endpoint.close()
+    prompt = run.renderer.prompt([{"role": "user", "content": ROW["prompt"]}])
+    assert ids == [*prompt, *run.renderer.encode(ANSWER), tokenizer.eos_token_id] and mask.count(True) == len(ids) - len(prompt)
+    assert "OPENAI_BASE_URL" not in os.environ, "put back as it was after the episode"
 
 
 @pytest.mark.parametrize(

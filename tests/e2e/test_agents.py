@@ -159,9 +159,10 @@ def test_a_role_killed_mid_episode_loses_no_turn(
     to the one in flight answered as before, from the ledger or from the controller's record
     of the replies it gave), and every group trains the same episodes, token for token, as
     an undisturbed run."""
+    reference = undisturbed(example)  # (its run first: not beside the one to be killed)
     run_dir = tmp_path / "killed"
     proc = launch_run(run_dir, KILL_ITEMS[example], env={"YATT_LOG_LEVEL": "INFO"})
-    kill_mid_episode(run_dir, proc, role, says, undisturbed(example))
+    kill_mid_episode(run_dir, proc, role, says, reference)
 
 
 def kill_mid_episode(

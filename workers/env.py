@@ -49,6 +49,7 @@ from setproctitle import getproctitle, setproctitle
 
 from protocols.messages import EnvCall, EnvReply, Message, Metrics, Query
 from yatt.rl.agents.envs import EnvFactory, EnvFailed, call, env_factory, messages_of, supports_snapshots
+from yatt.rl.agents.hosted import agent_factory
 from yatt.rl.config import EnvConfig
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.lifetime import die_with_parent
@@ -200,7 +201,8 @@ class EnvWorker(Actor):
         super().__init__(transport, endpoint=endpoint, actor_id=actor_id)
         self.config = config
         self.episodes: dict[str, _Episode] = {}
-        self.make = env_factory(config, model=model)  # (the environment's module imported here once, not in each episode)
+        # (the environment's module imported here once, not in each episode)
+        self.make = agent_factory(config, model=model) if config.episode else env_factory(config)
         self.hosts = config.class_ or config.episode or "a tool"  # (what errors name)
         self.context = multiprocessing.get_context("fork")
         self.said_network = False

@@ -133,19 +133,10 @@ def _inline(text: str, protocol: ToolProtocol) -> str:
 EnvFactory = Callable[[], Any]
 
 
-def env_factory(config: EnvConfig, *, model: str = "policy") -> EnvFactory:
-    """What makes one environment per episode: the user's class with ``env.kwargs``, the
-    tool environment, or (``env.episode``, hosted in the env role) the user's function as
-    one (``yatt.rl.agents.hosted.AgentEnv``; ``model``: the name its endpoint serves).
+def env_factory(config: EnvConfig) -> EnvFactory:
+    """What makes one environment per episode: the user's class with ``env.kwargs``, or the
+    tool environment (``env.episode``'s agent code as one: ``yatt.rl.agents.hosted.agent_factory``).
     Loading errors are ``PluginError`` naming the field and the fix."""
-    if config.episode:
-        from yatt.rl.agents.client import load_episode
-        from yatt.rl.agents.endpoint import warm_openai
-        from yatt.rl.agents.hosted import AgentEnv
-
-        episode = load_episode(config.episode)
-        http = warm_openai()  # (in the env worker, before its episode processes fork)
-        return lambda: AgentEnv(episode, name=config.episode, model=model, http=http)
     if config.tools:
         tools = load_tools(config.tools)
         return lambda: ToolEnv(

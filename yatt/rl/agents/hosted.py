@@ -40,11 +40,12 @@ import math
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from yatt.rl.agents.client import EPISODE, AgentFailed, Episode, EpisodeOver, Generation
+from yatt.rl.agents.client import EPISODE, AgentFailed, Episode, EpisodeOver, Generation, load_episode
+from yatt.rl.config import EnvConfig
 
 if TYPE_CHECKING:
     from yatt.rl.agents.endpoint import Endpoint
@@ -183,6 +184,17 @@ class AgentEnv:
         if value is None or (isinstance(value, bool | int | float) and math.isfinite(float(value))):
             return {"reward": None if value is None else float(value)}
         return {"error": "TypeError", "message": f"returned {value!r:.200}, not {EPISODE}"}
+
+
+def agent_factory(config: EnvConfig, *, model: str) -> Callable[[], AgentEnv]:
+    """What makes an ``AgentEnv`` of ``env.episode`` per episode (``model``: the name its
+    endpoint serves), in the env worker, which warms the openai SDK once before its
+    episode processes fork (``endpoint.warm_openai``)."""
+    from yatt.rl.agents.endpoint import warm_openai
+
+    episode = load_episode(config.episode)
+    http = warm_openai()
+    return lambda: AgentEnv(episode, name=config.episode, model=model, http=http)
 
 
 def loopback_up() -> None:

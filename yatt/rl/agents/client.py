@@ -357,14 +357,21 @@ class AgentRunner(Runner):
             return None, "env_error", f"env.episode {self.config.episode!r}: {error}"
         if error is not None:
             return None, "env_error", f"env.episode {self.config.episode!r}: {type(error).__name__}: {error}"
-        value = task.result()
-        if isinstance(value, dict):
-            value = value.get("reward")
-        if isinstance(value, bool | int | float) and math.isfinite(float(value)):
-            return float(value), "done", ""
-        if value is None:
-            return None, "done", ""
-        return None, "env_error", f"env.episode {self.config.episode!r} returned {value!r}, not {EPISODE}"
+        try:
+            return reward_of(task.result()), "done", ""
+        except ValueError as e:
+            return None, "env_error", f"env.episode {self.config.episode!r} {e}"
+
+
+def reward_of(value: Any) -> float | None:
+    """The reward an episode function returned: a finite number, a dict's ``"reward"``, or
+    None (no reward said); ``ValueError`` saying what it returned otherwise."""
+    reward = value.get("reward") if isinstance(value, dict) else value
+    if reward is None:
+        return None
+    if isinstance(reward, bool | int | float) and math.isfinite(float(reward)):
+        return float(reward)
+    raise ValueError(f"returned {reward!r:.200}, not {EPISODE}")
 
 
 @contextlib.contextmanager

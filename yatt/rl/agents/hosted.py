@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import fcntl
 import json
-import math
 import os
 import socket
 import struct
@@ -44,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from yatt.rl.agents.client import EPISODE, AgentFailed, Episode, EpisodeOver, Generation, load_episode
+from yatt.rl.agents.client import AgentFailed, Episode, EpisodeOver, Generation, load_episode, reward_of
 from yatt.rl.config import EnvConfig
 
 if TYPE_CHECKING:
@@ -178,12 +177,10 @@ class AgentEnv:
             return {"error": "EpisodeOver", "ended": error.ended, "message": str(error)}
         if error is not None:
             return {"error": type(error).__name__, "message": f"{type(error).__name__}: {error}"}
-        value = task.result()
-        if isinstance(value, dict):
-            value = value.get("reward")
-        if value is None or (isinstance(value, bool | int | float) and math.isfinite(float(value))):
-            return {"reward": None if value is None else float(value)}
-        return {"error": "TypeError", "message": f"returned {value!r:.200}, not {EPISODE}"}
+        try:
+            return {"reward": reward_of(task.result())}
+        except ValueError as e:
+            return {"error": "TypeError", "message": str(e)}
 
 
 def agent_factory(config: EnvConfig, *, model: str) -> Callable[[], AgentEnv]:

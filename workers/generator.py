@@ -288,6 +288,8 @@ class Generator(Actor):
                     "generator/queued": float(self._queue.qsize()),
                     "generator/sleeps": float(self.sleeps),
                     "generator/parks": float(self.parks),
+                    # (the transformers engine's shared prefills; vLLM's prefix cache does its own)
+                    "generator/prompt_tokens_saved": float(getattr(self.engine, "prompt_tokens_saved", 0)),
                 }
             )
         raise ValueError(f"generator: unknown query {msg.what!r}; known: version, sleep, wake, park, unpark, stats")

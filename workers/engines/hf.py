@@ -7,6 +7,9 @@ not. Every row samples with an RNG of its own, seeded from its request's seed an
 index in the request (``_RowSampler``, the Gumbel-max trick), so a seeded request's
 samples do not depend on what else was batched with it; requests without a seed draw one
 from a stream seeded by ``GeneratorConfig.seed``, so a whole run is reproducible too.
+A request's n rows share one prefill of its prompt (``_shared_prefill``: the prompt's KV
+cache computed once and repeated n times; ``prompt_tokens_saved`` counts what that spared),
+as vLLM's prefix cache does for it.
 
 Logprobs come from ``output_logits=True``: the raw logits of every step (before any
 temperature, top-k or top-p warper), then ``log_softmax(logits / temperature)`` gathered
@@ -143,6 +146,7 @@ class HFEngine:
         self._names = WeightNames(model)
         self._max_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self._seeds = random.Random(config.seed)
+        self.prompt_tokens_saved = 0  # prompt tokens not prefilled again for a request's other samples
 
     def _live_model(self) -> Any:
         if self._model is None:
@@ -203,14 +207,17 @@ class HFEngine:
                     device=self._device,
                 )
             )
+        input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         out = model.generate(
-            input_ids=input_ids.to(self._device),
-            attention_mask=attention_mask.to(self._device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             generation_config=gen_config,
             logits_processor=processors,
             synced_gpus=False,  # an FSDP module generates on each rank alone (colocated layout)
+            past_key_values=self._shared_prefill(input_ids, attention_mask, first_row, rows),
             **({"tokenizer": self._stop_tokenizer()} if sp.stop else {}),
         )
+        self.prompt_tokens_saved += sum((n - 1) * (len(r.prompt_ids) - 1) for r, n in zip(requests, rows, strict=True))
         new_tokens = out.sequences[:, width:]  # [R, L] int64, pad after a row's stop token
         temperature = 1.0 if greedy else sp.temperature
         logprobs = torch.stack(
@@ -244,6 +251,21 @@ class HFEngine:
                 )
             samples.append(group)
         return samples
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, first_row: list[int], rows: list[int]) -> Any:
+        """The KV cache of every row's prompt but its last token, each prompt computed once
+        and its cache repeated for its ``n`` rows (the n samples of a request share their
+        prompt: computed n times, it is n-1 prefills wasted); ``generate`` goes on from it
+        with the prompts' last tokens. None (``generate`` prefills every row) where no
+        prompt has two rows or prompts are one token."""
+        if max(rows) < 2 or input_ids.shape[1] < 2:
+            return None
+        ids, mask = input_ids[first_row, :-1], attention_mask[first_row, :-1]  # [P, T-1] each prompt once
+        # Positions as generate computes them for left-padded rows: counted from each row's first real token.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._live_model()(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
+        cache.reorder_cache(torch.repeat_interleave(torch.arange(len(rows), device=ids.device), torch.tensor(rows, device=ids.device)))
+        return cache
 
     def _stop_tokenizer(self) -> Any:
         """The model's tokenizer, which stop strings need (transformers' ``StopStringCriteria``)."""

@@ -243,6 +243,36 @@ def test_seeds_reproduce_samples(engine: Engine) -> None:
     ]
 
 
+def test_a_requests_samples_share_one_prefill_of_its_prompt(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transformers engine computes each request's prompt once, its KV cache repeated
+    for its n rows (issue 32 item 3): the samples, their logprobs and the tokens it counts
+    as saved are those of prefilling every row, which it did before (float32: to 1e-5)."""
+    from workers.engines.hf import HFEngine
+
+    engine = make_engine(str(tiny_model_dir), GeneratorConfig(seed=0), dtype="float32")
+    assert isinstance(engine, HFEngine)
+    requests = [
+        PromptRequest(prompt_ids=PROMPTS[0], n=4, sampling=sp(max_new_tokens=12, seed=3)),
+        PromptRequest(prompt_ids=PROMPTS[1], n=3, sampling=sp(max_new_tokens=12, seed=4)),
+        PromptRequest(prompt_ids=PROMPTS[2], n=1, sampling=sp(max_new_tokens=12, seed=5)),
+    ]
+    widths: list[tuple[int, int]] = []  # (rows, positions) of each forward
+    hook = engine._live_model().register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    shared = engine.generate(requests)
+    hook.remove()
+    assert widths[0] == (3, len(PROMPTS[2]) - 1) and widths[1] == (8, 1)  # the prompts once, then every row's last token
+    assert engine.prompt_tokens_saved == 3 * (len(PROMPTS[0]) - 1) + 2 * (len(PROMPTS[1]) - 1)
+    monkeypatch.setattr(engine, "_shared_prefill", lambda *_: None)
+    every_row = engine.generate(requests)
+    for ours, theirs in zip(shared, every_row, strict=True):
+        assert [s.token_ids for s in ours] == [s.token_ids for s in theirs]
+        assert len({tuple(s.token_ids) for s in ours}) == len(ours)  # (seeded rows differ: each row kept its own)
+        assert max(max_diff(a.logprobs, b.logprobs) for a, b in zip(ours, theirs, strict=True)) < 1e-5
+    engine.close()
+
+
 def test_seeded_requests_past_one_steps_token_budget_generate(engine: Engine) -> None:
     """More prompt tokens than one engine step takes (vLLM on CPU: 4,096): every request
     seeded, as a run's are. vLLM-CPU chunks a prefill that does not fit, and rewinding the

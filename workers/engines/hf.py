@@ -208,16 +208,18 @@ class HFEngine:
                 )
             )
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
+        shared = self._shared_prefill(input_ids, attention_mask, first_row, rows)
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=gen_config,
             logits_processor=processors,
             synced_gpus=False,  # an FSDP module generates on each rank alone (colocated layout)
-            past_key_values=self._shared_prefill(input_ids, attention_mask, first_row, rows),
+            past_key_values=shared,
             **({"tokenizer": self._stop_tokenizer()} if sp.stop else {}),
         )
-        self.prompt_tokens_saved += sum((n - 1) * (len(r.prompt_ids) - 1) for r, n in zip(requests, rows, strict=True))
+        if shared is not None:
+            self.prompt_tokens_saved += sum((n - 1) * (len(r.prompt_ids) - 1) for r, n in zip(requests, rows, strict=True))
         new_tokens = out.sequences[:, width:]  # [R, L] int64, pad after a row's stop token
         temperature = 1.0 if greedy else sp.temperature
         logprobs = torch.stack(
@@ -264,6 +266,8 @@ class HFEngine:
         # Positions as generate computes them for left-padded rows: counted from each row's first real token.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._live_model()(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
+        if not callable(getattr(cache, "reorder_cache", None)):  # (a model whose cache cannot be repeated: each row prefills)
+            return None
         cache.reorder_cache(torch.repeat_interleave(torch.arange(len(rows), device=ids.device), torch.tensor(rows, device=ids.device)))
         return cache
 

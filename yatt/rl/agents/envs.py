@@ -135,7 +135,8 @@ EnvFactory = Callable[[], Any]
 
 def env_factory(config: EnvConfig) -> EnvFactory:
     """What makes one environment per episode: the user's class with ``env.kwargs``, or the
-    tool environment (``env.episode``'s agent code as one: ``yatt.rl.agents.hosted.agent_factory``).
+    tool environment. (``env.episode``'s agent code, hosted in the env role, is made by
+    ``yatt.rl.agents.hosted.agent_factory``.)
     Loading errors are ``PluginError`` naming the field and the fix."""
     if config.tools:
         tools = load_tools(config.tools)

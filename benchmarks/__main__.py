@@ -29,6 +29,7 @@ BENCHMARKS = {
     "transport": "benchmarks.transport",
     "agents": "benchmarks.agents",
     "endpoint": "benchmarks.endpoint",
+    "training": "benchmarks.training",
 }
 
 

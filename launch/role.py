@@ -146,6 +146,7 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
         total_steps=0 if args.eval_only else cfg.run.steps,
         num_eval_prompts=len(eval_prompts),
         eval_config=cfg.eval,
+        keep_groups=cfg.trainer.share_prompt is not False,  # its prompt computed once, in one micro-batch
     )
     await _serve(actor, args.registry, stop)
 

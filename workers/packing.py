@@ -81,3 +81,123 @@ def unpack(y: Tensor, packing: Packing, *, shifted: bool = False) -> Tensor:
         row = row.masked_fill(first, 0)
     out = row.new_zeros((*packing.valid.shape, *row.shape[1:]))
     return out.index_put((packing.valid,), row)
+
+
+# ------------------------------------------------------------------ a group's shared prompt
+#
+# GRPO's n samples of a prompt repeat it n times in the batch: padded or packed, its forward
+# and backward are paid n times. With ``trainer.share_prompt`` the rows that share a prompt
+# (the same token ids before their first loss token) run as one row: the prompt but its last
+# token once, then each row's remainder from that last token on, each segment seeing the
+# prompt and itself only, positions continuing from the prompt's::
+#
+#   rows (prompt p0 p1 p2)       one row                          positions
+#   p0 p1 p2 a0 a1 .             p0 p1 | p2 a0 a1 | p2 b0 b1 b2   0 1 | 2 3 4 | 2 3 4 5
+#   p0 p1 p2 b0 b1 b2
+#
+# The prompt's last token is repeated (one token a row) so that every segment is an ordinary
+# causal sequence and each row's first completion token is read, as always, from the output
+# just before it. The prompt's gradient is the sum of its rows' (autograd through the one
+# copy). Each token's result is that of its padded row up to float rounding (a test holds it
+# to 1e-6 in float32). The mask is [R, 1, S, S], given to the model as a prepared 4D mask:
+# sdpa and eager attention read it; flash-attention's kernels cannot (refused at start).
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a right-padded [B, T] batch runs through the model ([R, S] rows), and where each
+    token's shifted result (log-prob, entropy, value: read from the output before it) lies."""
+
+    input_ids: Tensor  # [R, S]
+    position_ids: Tensor  # [R, S]
+    attention_mask: Tensor  # [R, 1, S, S] bool, True where a query (dim 2) sees a key (dim 3)
+    where: Tensor  # [B, T] int64: index into the flattened [R * S] result; -1: none (0 there)
+    shared: int  # the prompt tokens computed once instead of once a row (the saving)
+
+    def back(self, x: Tensor) -> Tensor:
+        """A shifted per-token result [R, S, ...] -> [B, T, ...], zeros where ``where`` is -1;
+        differentiable (a row's prompt positions all read the one copy)."""
+        flat = x.reshape(-1, *x.shape[2:])
+        out = flat[self.where.clamp(min=0)]
+        keep = (self.where >= 0).view(*self.where.shape, *[1] * (out.dim() - 2))
+        return out.masked_fill(~keep, 0)
+
+
+def forward_flops(shape: tuple[int, ...], parameters: float, layers_x_hidden: float) -> float:
+    """A forward's FLOPs over rows [R, S]: 2 a parameter a position (the dense part) and
+    4 x layers x hidden a (query, key) pair (scores and their sum over values), every pair of
+    a row, masked or not, as sdpa computes a masked row. The backward is about twice this."""
+    rows, width = shape
+    return 2 * parameters * rows * width + 4 * layers_x_hidden * rows * width * width
+
+
+def share_prompts(ids: Tensor, attention: Tensor, loss_mask: Tensor, *, one_row: bool = False) -> Layout:
+    """The layout of ``ids`` [B, T] (right-padded, ``attention`` True on real tokens) in which
+    the rows with the same prompt (ids before the row's first ``loss_mask`` token) share it:
+    a row per prompt, padded to the longest; ``one_row``: all of them in one row (packed)."""
+    problem = padding_problem(attention)
+    if problem:
+        raise ProtocolError(problem)
+    lengths = attention.sum(-1).tolist()
+    firsts = torch.where(loss_mask.any(-1), loss_mask.int().argmax(-1), attention.sum(-1)).tolist()
+    cpu = ids.cpu()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b, (n, first) in enumerate(zip(lengths, firsts, strict=True)):
+        if n > 0:
+            groups.setdefault(tuple(cpu[b, : min(max(first, 1), n)].tolist()), []).append(b)
+    # Per output row: token ids, positions, each token's segment and the prompt segment it
+    # also sees; per input row: (output row, the index in it of each token's shifted result).
+    rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
+    placed: list[tuple[int, int, list[int]]] = []
+    segment, shared = 0, 0
+    for prompt_ids, members in groups.items():
+        p = len(prompt_ids)
+        segment += 1
+        prompt_seg = segment
+        toks, pos = list(prompt_ids[:-1]), list(range(p - 1))
+        seg, sees = [prompt_seg] * (p - 1), [prompt_seg] * (p - 1)
+        first_start = p - 1  # the first segment's start
+        for b in members:
+            n, start = lengths[b], len(toks)
+            segment += 1
+            tail = cpu[b, p - 1 : n].tolist()  # from the prompt's last token on
+            toks += tail
+            pos += range(p - 1, n)
+            seg += [segment] * len(tail)
+            sees += [prompt_seg] * len(tail)
+            # token t < p - 1: the prompt's copy; t = p - 1: the first segment's start (it
+            # reads the prompt's last output, as each row's would); t >= p: the row's own.
+            placed.append((b, len(rows), list(range(p - 1)) + [first_start] + list(range(start + 1, start + n - p + 1))))
+        shared += (len(members) - 1) * (p - 1)
+        rows.append((toks, pos, seg, sees))
+    if one_row and rows:
+        offsets = [0]
+        for row in rows[:-1]:
+            offsets.append(offsets[-1] + len(row[0]))
+        placed = [(b, 0, [offsets[r] + i for i in index]) for b, r, index in placed]
+        toks, pos, seg, sees = ([x for row in rows for x in row[k]] for k in range(4))
+        rows = [(toks, pos, seg, sees)]
+    width = max((len(row[0]) for row in rows), default=1)
+    shape = (max(len(rows), 1), width)
+    input_ids = torch.zeros(shape, dtype=torch.int64)
+    position_ids = torch.zeros(shape, dtype=torch.int64)
+    seg_of = -torch.arange(1, shape[0] * width + 1).view(shape)  # pads: a segment each
+    sees_of = seg_of.clone()
+    for r, (toks, pos, seg, sees) in enumerate(rows):
+        k = len(toks)
+        input_ids[r, :k], position_ids[r, :k] = torch.tensor(toks), torch.tensor(pos)
+        seg_of[r, :k], sees_of[r, :k] = torch.tensor(seg), torch.tensor(sees)
+    where = torch.full(ids.shape, -1, dtype=torch.int64)
+    for b, r, index in placed:
+        where[b, 1 : lengths[b]] = torch.tensor(index[1:], dtype=torch.int64) + r * width
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    sees_key = (seg_of[:, None, :] == seg_of[:, :, None]) | (seg_of[:, None, :] == sees_of[:, :, None])  # [R, S, S]
+    mask = (sees_key & causal)[:, None]  # [R, 1, S, S]: query dim 2, key dim 3
+    device = ids.device
+    return Layout(
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        attention_mask=mask.to(device),
+        where=where.to(device),
+        shared=shared,
+    )

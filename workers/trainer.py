@@ -70,6 +70,11 @@ Conventions:
   (``workers.packing``), and its per-token results come back [B, T]: the log-probs, losses
   and counts are the padded computation's. The ``pad_share`` metric is the share of the
   step's [B, T] positions that are padding, packed or not.
+- A group's prompt: with ``trainer.share_prompt`` (auto: where the estimated FLOPs are
+  fewer) the rows of a micro-batch that share a prompt run as one row, the prompt once and
+  each row's remainder after it (``workers.packing.share_prompts``, a prepared 4D mask);
+  the same per-token results come back [B, T], and autograd sums the rows' gradients into
+  the one prompt. ``prompt_tokens_saved`` counts the prompt tokens not computed again.
 - On GPU each process must ``torch.cuda.set_device(local_rank)`` before ``Trainer(...)``.
 """
 
@@ -120,7 +125,7 @@ from transformers import (
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
-from workers.packing import pack, padding_problem, plan, unpack
+from workers.packing import Layout, forward_flops, pack, padding_problem, plan, share_prompts, unpack
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
 from yatt.rl import rl_math
 from yatt.rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
@@ -129,7 +134,7 @@ from yatt.runtime import trace
 # The step's local sums, all-reduced together in one collective by reduce_gradients.
 _SUMS = (
     "loss count tokens clip_frac approx_kl kl entropy is_weight is_weight_sq is_masked logprob_diff "
-    "value_loss value sequences padding positions"
+    "value_loss value sequences padding positions prompt_saved"
 ).split()
 # Checkpoint entries that older checkpoints (or another kl_controller) may lack.
 _OPTIONAL_STATE = ("optimizer_steps", "kl_coef")
@@ -179,6 +184,19 @@ class Trainer:
         random.seed(trainer.seed)
         self._lora = model.lora if model.lora.rank else None
         policy = _load(AutoModelForCausalLM.from_pretrained, model_path)
+        attention = str(getattr(policy.config, "_attn_implementation", ""))
+        if trainer.share_prompt is True and attention not in ("sdpa", "eager"):
+            raise ConfigError(
+                f"trainer.share_prompt needs sdpa or eager attention (the model runs {attention}, whose "
+                "kernels take no prepared 4D mask); set trainer.share_prompt=auto or false"
+            )
+        self._config = dataclasses.replace(trainer, share_prompt=False) if attention not in ("sdpa", "eager") else trainer
+        text = policy.config.get_text_config()
+        # A forward's FLOPs, per position and per (query, key) pair: what share_prompt=auto weighs.
+        self._flops_model = (
+            float(sum(p.numel() for p in policy.parameters())),
+            float(text.num_hidden_layers * text.hidden_size),
+        )
         self.policy = self._shard(with_lora(policy, self._lora) if self._lora else policy, trainable=True, peft=bool(self._lora))
         if self._lora:  # only the adapters train (and are sent, and hold optimizer state)
             for name, param in self.policy.named_parameters():
@@ -355,7 +373,7 @@ class Trainer:
                 with trace.span("optimizer"):
                     updates.append(self._update(self._reduce()))
         metrics = {k: sum(u[k] for u in updates) / (1 if k.startswith("time_") else len(updates)) for k in updates[0]}
-        for key in ("tokens", "padding", "positions"):  # the batch's, once
+        for key in ("tokens", "padding", "positions", "prompt_saved"):  # the batch's, once
             metrics[key] = sum(u[key] for u in updates[:runs])
         metrics["clip_frac_last"] = updates[-1]["clip_frac"]  # the last update's, most off-policy
         metrics["time_prepare_s"] = prepare_s
@@ -366,9 +384,9 @@ class Trainer:
         """Old log-probs, reference log-probs, critic values and token advantages of one
         micro-batch, with the weights that start the batch (no grad)."""
         algo = self._algo
-        b.old = b.rollout if algo.old_logprobs == "rollout" else self._logprobs(self.policy, b.ids, b.attention)
+        b.old = b.rollout if algo.old_logprobs == "rollout" else self._logprobs(self.policy, b)
         if self.reference is not None:
-            b.ref = self._logprobs(self.reference, b.ids, b.attention)
+            b.ref = self._logprobs(self.reference, b)
         if self.critic is not None:
             b.old_values = self._values(b)
         b.advantages, b.returns = self._token_advantages(b, b.old)
@@ -400,16 +418,26 @@ class Trainer:
         """The critic's values [B, T]: the value of the state before token t is its output
         at t - 1 (aligned like log-probs), 0 at t = 0; differentiable."""
         assert self.critic is not None
-        out, _, unpacked = self._forward(self.critic, b.ids, b.attention)  # [R, S, 1]
+        out, _, unpacked = self._forward(self.critic, b)  # [R, S, 1]
         return unpacked(torch.nn.functional.pad(out[..., 0][:, :-1].float(), (1, 0)))  # [B, T]
 
-    def _forward(
-        self, module: nn.Module, ids: Tensor, attention: Tensor
-    ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-        """``module``'s logits [R, S, V] for the batch ``ids`` [B, T], the ids they read
+    def _forward(self, module: nn.Module, b: _Batch) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """``module``'s logits [R, S, V] for the batch ``b.ids`` [B, T], the ids they read
         [R, S], and the map of a per-token result [R, S] aligned like log-probs back to
-        [B, T]. With ``trainer.pack`` the batch runs as one row of its real tokens (R = 1,
-        S = N, ``workers.packing``), else padded as given (the map is the identity)."""
+        [B, T]. With ``trainer.share_prompt`` a row per prompt, its rows' remainders after it
+        (``workers.packing.share_prompts``; with ``trainer.pack`` all in one row); else with
+        ``trainer.pack`` the batch runs as one row of its real tokens (R = 1, S = N,
+        ``workers.packing``), else padded as given (the map is the identity)."""
+        ids, attention = b.ids, b.attention
+        layout = self._shared_layout(b)
+        if layout is not None:
+            logits = module(
+                input_ids=layout.input_ids,
+                attention_mask=layout.attention_mask,
+                position_ids=layout.position_ids,
+                use_cache=False,
+            ).logits
+            return logits, layout.input_ids, layout.back
         if not self._config.pack:
             logits = module(input_ids=ids, attention_mask=attention, use_cache=False).logits
             return logits, ids, lambda x: x
@@ -419,21 +447,41 @@ class Trainer:
         logits = module(input_ids=packed, position_ids=packing.position_ids, use_cache=False).logits
         return logits, packed, lambda x: unpack(x, packing, shifted=True)
 
-    def _logprobs(self, module: nn.Module, ids: Tensor, attention: Tensor) -> Tensor:
+    def _shared_layout(self, b: _Batch) -> Layout | None:
+        """The batch's shared-prompt layout, chosen once per batch: always with
+        ``trainer.share_prompt: true``; with ``auto`` where rows share a prompt and its
+        estimated FLOPs (``workers.packing.forward_flops``) are below the padded (or, with
+        ``trainer.pack``, packed) layout's; never with ``false``."""
+        share = self._config.share_prompt
+        if share is False or not b.share:
+            return None
+        if b.layout is None:
+            b.layout = share_prompts(b.ids, b.attention, b.mask, one_row=self._config.pack)
+            if share == "auto":
+                shape = (1, int(b.attention.sum())) if self._config.pack else tuple(b.ids.shape)
+                params, width = self._flops_model
+                plain = forward_flops(shape, params, width)
+                shared = forward_flops(tuple(b.layout.input_ids.shape), params, width)
+                b.share = b.layout.shared > 0 and shared < plain
+                if not b.share:
+                    b.layout = None
+        return b.layout
+
+    def _logprobs(self, module: nn.Module, b: _Batch) -> Tensor:
         """[B, T] float32 log-probs of ``ids`` under ``module`` at the rollouts' temperature."""
-        logits, read, unpacked = self._forward(module, ids, attention)
+        logits, read, unpacked = self._forward(module, b)
         return unpacked(rl_math.token_logprobs(logits, read, temperature=self._temperature).float())
 
     def _forward_backward(self, b: _Batch) -> None:
         start = time.perf_counter()
         algo, sums, mask = self._algo, self._sums, b.mask
-        logits, ids, unpacked = self._forward(self.policy, b.ids, b.attention)  # [R, S, V]
+        logits, ids, unpacked = self._forward(self.policy, b)  # [R, S, V]
         logprobs = unpacked(rl_math.token_logprobs(logits, ids, temperature=self._temperature))  # [B, T]
         if b.old is None:  # streaming: before the only update, the current weights are the old ones
             old = b.rollout if algo.old_logprobs == "rollout" else logprobs.detach()
             if self.reference is not None:
                 with torch.no_grad():
-                    b.ref = self._logprobs(self.reference, b.ids, b.attention)
+                    b.ref = self._logprobs(self.reference, b)
             advantages, _ = self._token_advantages(b, old)
         else:
             old, advantages = b.old, b.advantages
@@ -470,6 +518,7 @@ class Trainer:
             sums["sequences"] += mask.any(-1).sum()
             sums["padding"] += (~b.attention).sum()
             sums["positions"] += b.attention.numel()
+            sums["prompt_saved"] += b.layout.shared if b.layout is not None else 0
             sums["clip_frac"] += stats.get("clip_frac", 0.0) * tokens
             sums["approx_kl"] += stats.get("approx_kl", 0.0) * tokens
             sums["entropy"] += _masked_sum(entropy, mask)
@@ -591,6 +640,7 @@ class Trainer:
             metrics["kl"] = s["kl"] / tokens
         metrics.update(
             tokens=s["tokens"], sequences=s["sequences"], padding=s["padding"], positions=s["positions"],
+            prompt_saved=s["prompt_saved"],
             time_optimizer_s=time.perf_counter() - start,
         )  # fmt: skip
         self._begin_update()
@@ -606,6 +656,7 @@ class Trainer:
         self._step += 1
         metrics.pop("sequences", None)
         metrics["pad_share"] = metrics.pop("padding") / max(metrics.pop("positions"), 1.0)
+        metrics["prompt_tokens_saved"] = metrics.pop("prompt_saved")
         metrics.update(
             step=float(self._step),
             optimizer_steps=float(self._optimizer_steps),
@@ -658,7 +709,9 @@ class Trainer:
     def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, T] float32 log-probs of the tokens under the current policy (CPU); collective."""
         ids, attention = input_ids.to(self.device, torch.int64), attention_mask.to(self.device, torch.bool)
-        return self._logprobs(self.policy, ids, attention).cpu()
+        none = torch.zeros_like(ids, dtype=torch.float32)
+        batch = _Batch(ids=ids, attention=attention, mask=attention, rollout=none, advantages=none, share=False)
+        return self._logprobs(self.policy, batch).cpu()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -877,6 +930,8 @@ class _Batch:
     ref: Tensor | None = None  # reference log-probs
     old_values: Tensor | None = None  # critic values before the batch's updates
     returns: Tensor | None = None  # value targets (gae)
+    share: bool = True  # False: log-probs of rows without a prompt (Trainer.logprobs), none shared
+    layout: Layout | None = None  # with trainer.share_prompt, built at the batch's first forward
 
 
 def _device() -> torch.device:

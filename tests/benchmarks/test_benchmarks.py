@@ -188,3 +188,17 @@ def test_endpoint_quick_measures_each_way_of_asking(tmp_path: Path) -> None:
     assert set(ratios) == {"endpoint_cost_share", "openai_sdk_cost_share", "hosting_cost_share"}
     assert ratios["endpoint_cost_share"] == pytest.approx(figures["http_added_s_per_turn"] / figures["direct_turn_s"])
     assert ratios["hosting_cost_share"] == pytest.approx(figures["hosted_added_s_per_turn"] / figures["direct_turn_s"])
+
+
+def test_training_quick_times_each_layout_and_counts_the_prompt_tokens_saved(tmp_path: Path) -> None:
+    """Quick: 2 prompts of 16 tokens x 2 completions; the shared layouts spare each prompt
+    but its last token once (2 x 15), the others nothing; the FLOPs fall with it."""
+    data = run_quick("training", tmp_path)
+    figures, ratios = data["figures"], data["ratios"]
+    layouts = ("padded", "packed", "shared", "shared_packed")
+    assert all(figures[f"{name}_fwd_bwd_s"] > 0 for name in layouts)
+    assert [figures[f"{name}_prompt_tokens_saved"] for name in layouts] == [0, 0, 30, 30]
+    assert figures["packed_positions"] == figures["real_tokens"]
+    assert figures["shared_packed_positions"] == figures["real_tokens"] - 30
+    assert figures["shared_gflops_per_loss_token"] < figures["padded_gflops_per_loss_token"]
+    assert set(ratios) == {f"{name}_speedup_vs_padded" for name in layouts} and ratios["padded_speedup_vs_padded"] == 1

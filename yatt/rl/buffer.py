@@ -85,6 +85,7 @@ class Buffer(Actor):
         total_steps: int | None = None,
         num_eval_prompts: int = 0,
         eval_config: EvalConfig | None = None,
+        keep_groups: bool = False,
     ) -> None:
         super().__init__(transport, endpoint=endpoint)
         self.num_eval_prompts = num_eval_prompts
@@ -102,6 +103,7 @@ class Buffer(Actor):
             seed=seed,
             ledger=self.ledger,
             total_steps=total_steps,
+            keep_groups=keep_groups,
         )
         if resume_from is not None:
             self.ledger.rewind(read_mark(resume_from), f"resumed from {resume_from}")

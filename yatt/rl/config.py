@@ -386,6 +386,14 @@ class TrainerConfig:
     pack: bool = False
     """Run each micro-batch as one row of its real tokens (no FLOPs on padding; the same log-probs,
     loss and counts); off by default: on CPU, sdpa's block-diagonal mask over the row makes it slower."""
+    share_prompt: bool | Literal["auto"] = "auto"
+    """Compute a group's prompt once in training: the rows of a micro-batch that share a prompt
+    run as one row, the prompt then each row's completion (``workers/packing.py``: the same
+    log-probs, loss and gradients, the prompt's gradient the sum of its rows'), and the buffer
+    keeps a group's rows in one micro-batch. auto: a micro-batch runs so where that costs fewer
+    estimated FLOPs than without (long prompts next to their completions; a long row's
+    attention grows with its square) and the model's attention is sdpa or eager; true: always
+    (refused with flash attention, whose kernels take no prepared mask); false: never."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps; 0: only at the end."""
     keep_checkpoints: int = 0

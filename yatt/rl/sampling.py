@@ -309,14 +309,18 @@ class SamplingBuffer:
         seed: int,
         ledger: Ledger,
         total_steps: int | None = None,
+        keep_groups: bool = False,
     ) -> None:
-        """``total_steps``: the run's length; nothing is dispatched or assembled past it."""
+        """``total_steps``: the run's length; nothing is dispatched or assembled past it.
+        ``keep_groups``: a group's rows go to one rank's micro-batch (``trainer.share_prompt``
+        computes their prompt once there), where there are as many groups as ranks."""
         if num_prompts < 1:
             raise ConfigError(f"the dataset has no prompts (num_prompts={num_prompts})")
         check_world_size(config, world_size)
         self.config = config
         self.total_steps = total_steps
         self.world_size = world_size
+        self.keep_groups = keep_groups
         self.num_prompts = num_prompts
         self.num_shards = num_shards
         self.seed = seed
@@ -814,9 +818,12 @@ class SamplingBuffer:
     def _split(self, groups: list[ScoredGroup], step: int, index: int) -> list[MicroBatch]:
         """One micro-batch per rank, the same number of rows each (one more on some where
         forked rows make the count uneven), balanced by tokens: longest first, each to the
-        rank with the fewest tokens so far (LPT)."""
+        rank with the fewest tokens so far (LPT). With ``keep_groups`` (and a group a rank at
+        least) whole groups are dealt so, each to the rank with the fewest tokens."""
         samples = [(gi, i) for gi, group in enumerate(groups) for i in range(len(group.completion_ids) + len(group.forked))]
         length = {s: sum(len(part) for part in _row(groups[s[0]], s[1])[:2]) for s in samples}
+        if self.keep_groups and len(groups) >= self.world_size:
+            return self._split_groups(groups, samples, length, step, index)
         per_rank = -(-len(samples) // self.world_size)
         ranks: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
         tokens = [0] * self.world_size
@@ -824,6 +831,27 @@ class SamplingBuffer:
             r = min((r for r in range(self.world_size) if len(ranks[r]) < per_rank), key=lambda r: tokens[r])
             ranks[r].append(s)
             tokens[r] += length[s]
+        return [self._micro_batch(groups, sorted(rows), r, step, index) for r, rows in enumerate(ranks)]
+
+    def _split_groups(
+        self,
+        groups: list[ScoredGroup],
+        samples: list[tuple[int, int]],
+        length: dict[tuple[int, int], int],
+        step: int,
+        index: int,
+    ) -> list[MicroBatch]:
+        """Whole groups to ranks, the group with the most tokens first, each to the rank with
+        the fewest tokens so far (rows per rank may then differ by a group's size)."""
+        rows_of: dict[int, list[tuple[int, int]]] = {}
+        for s in samples:
+            rows_of.setdefault(s[0], []).append(s)
+        ranks: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
+        tokens = [0] * self.world_size
+        for gi in sorted(rows_of, key=lambda gi: -sum(length[s] for s in rows_of[gi])):
+            r = min(range(self.world_size), key=lambda r: tokens[r])
+            ranks[r] += rows_of[gi]
+            tokens[r] += sum(length[s] for s in rows_of[gi])
         return [self._micro_batch(groups, sorted(rows), r, step, index) for r, rows in enumerate(ranks)]
 
     def _micro_batch(

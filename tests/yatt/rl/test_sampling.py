@@ -189,6 +189,25 @@ def test_micro_batches_are_balanced_and_aligned(tmp_path: Path) -> None:
     assert abs(tokens[0] - tokens[1]) <= 4
 
 
+@pytest.mark.parametrize("keep_groups", [False, True])
+def test_kept_groups_go_whole_to_one_rank(tmp_path: Path, keep_groups: bool) -> None:
+    """trainer.share_prompt computes a group's prompt once where its rows share a
+    micro-batch: the buffer deals whole groups (by tokens) instead of single rows."""
+    config = BufferConfig(groups_per_step=4, group_size=4, micro_batches_per_step=1, filter="none")
+    buf = SamplingBuffer(
+        config, num_prompts=N_PROMPTS, num_shards=2, world_size=2, seed=3, ledger=Ledger(tmp_path / "l.db"),
+        keep_groups=keep_groups,
+    )  # fmt: skip
+    for k in [k for s in (0, 1) for k in buf.plan(s)]:
+        buf.offer(make_group(k, 0, n=4))
+    micro_batches = buf.ready[(0, 0)]
+    ranks_of = {k: {mb.rank for mb in micro_batches if k in mb.group_keys} for mb in micro_batches for k in mb.group_keys}
+    split = [k for k, ranks in ranks_of.items() if len(ranks) > 1]
+    assert len(ranks_of) == 4
+    assert not split if keep_groups else split
+    assert all(mb.input_ids.shape[0] > 0 for mb in micro_batches)
+
+
 def forked(group: ScoredGroup, sample: int, version: int = 0) -> ScoredGroup:
     """``group`` with one more row of ``sample``: a forked call's (prompt 9 9 9; a turn of 3
     tokens, an observation, a turn of 1)."""

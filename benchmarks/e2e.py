@@ -111,6 +111,11 @@ the training part of a step:
   TRL counts them exactly (``train/prompt_tokens`` + ``train/completion_tokens``); yatt's
   metrics count completion tokens only, so its prompt tokens are samples x the mean
   prompt length of the job's prompt set (prompts are drawn uniformly from it).
+- ``prompt_tokens_saved_per_step`` and ``computed_token_share``: the prompt tokens yatt's
+  trainer did not compute again (a group's prompt computed once, ``trainer.share_prompt``,
+  its ``train/prompt_tokens_saved``), per steady step, and the share of the trained tokens
+  it did compute (1 - saved / trained; TRL computes every row's prompt: 1). The FLOPs above
+  count every trained token, so a shared prompt raises ``train_gflops_per_s`` (useful FLOPs).
 - ``mfu``: ``train_gflops_per_s`` over ``peak_gflops``, this machine's matmul peak in the
   dtype ``model.dtype=auto`` computes in here (bfloat16 where the CPU has it natively, AMX
   or AVX512-BF16; float32 where it does not, since bfloat16 then runs ~500x slower than
@@ -360,6 +365,11 @@ class Side:
     wall_s: float
     peak_memory_mb: float
     memory_samples: int
+    prompt_tokens_saved: float
+    """Prompt tokens of the steady steps that training did not compute again (yatt's
+    ``train/prompt_tokens_saved``, trainer.share_prompt; TRL computes every row's prompt)."""
+    trained_tokens: float
+    """Prompt + completion tokens trained in the steady steps (as in ``train_flops``)."""
 
     def figures(self, peak_flops: float) -> dict[str, float]:
         """The run's figures, by name without the ``<size>_<framework>_`` prefix."""
@@ -378,6 +388,8 @@ class Side:
             "train_s_median": statistics.median(self.train_s),
             "train_gflops_per_s": achieved / 1e9,
             "mfu": achieved / peak_flops,
+            "prompt_tokens_saved_per_step": self.prompt_tokens_saved / len(self.train_s),
+            "computed_token_share": 1.0 - self.prompt_tokens_saved / self.trained_tokens,
         }
 
 
@@ -395,6 +407,8 @@ def _side(job: Job, metrics: list[dict[str, float]], measured: Monitored, what: 
         wall_s=measured.wall_s,
         peak_memory_mb=measured.peak_memory_mb,
         memory_samples=measured.memory_samples,
+        prompt_tokens_saved=sum(m.get("train/prompt_tokens_saved", 0.0) for m in steady),
+        trained_tokens=training_flops(steady, params=1, prompt_tokens=job.prompt_tokens) / 6.0,
     )
 
 

@@ -148,8 +148,12 @@ def test_e2e_quick_measures_both_frameworks(tmp_path: Path) -> None:
     names = ["samples_per_s", "tokens_per_s", "step_s_median", "training_s", "startup_s", "wall_s", "peak_memory_mb"]
     names += ["train_s_median", "train_gflops_per_s", "mfu"]
     rewards = ["reward_first3", "reward_last3"]
+    shared = ["prompt_tokens_saved_per_step", "computed_token_share"]
     sides = ("yatt_auto", "trl")
-    assert set(figures) == {"peak_gflops"} | {f"tiny_{side}_{n}" for side in sides for n in names + rewards}
+    assert set(figures) == {"peak_gflops"} | {f"tiny_{side}_{n}" for side in sides for n in names + rewards + shared}
+    # TRL computes every row's prompt; yatt computes each group's once where that pays.
+    assert figures["tiny_trl_prompt_tokens_saved_per_step"] == 0 and figures["tiny_trl_computed_token_share"] == 1
+    assert 0 < figures["tiny_yatt_auto_computed_token_share"] <= 1
     assert set(ratios) == {f"tiny_auto_{r}_vs_trl" for r in ("samples_per_s", "time_to_reward", "memory")}
     _finite(data)
     assert figures["peak_gflops"] > 0

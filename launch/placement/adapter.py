@@ -99,6 +99,10 @@ class Adapter:
         )  # fmt: skip
         self.warm_until = 0
         """The first step re-planned on (``settle``)."""
+        self.start_estimate_s = plan.predicted_step_s
+        """The step time the planner predicted before any step (assumed acceptance and lengths)."""
+        self.calibrated = False
+        """Whether the estimate from this run's measured costs was printed (at the first decision)."""
         self._tensorboard = run_dir / "tensorboard" / "placement" if "tensorboard" in cfg.run.report_to else None
         self._writer: SummaryWriter | None = None
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
@@ -159,6 +163,14 @@ class Adapter:
     def decide(self, step: int, times: StepTimes) -> Decision:
         """The replanner's decision after ``step``, written to ``placement.jsonl``."""
         decision = self.replanner.observe(step, times, steps_left=self.cfg.run.steps - step - 1)
+        if not self.calibrated:  # the start's number assumed the acceptance and lengths: say what they are
+            self.calibrated = True
+            print(
+                f"yatt: placement: after step {step}, from this run's measured costs: {decision.predicted_step_s:.3g} "
+                f"s/step for this plan (acceptance {times.acceptance:.0%}, completions {times.completion_mean:.0f} "
+                f"tokens mean; {self.start_estimate_s:.3g} s/step was the estimate before the first step)",
+                flush=True,
+            )
         record: dict[str, Any] = {"step": step, "reason": decision.reason, **decision.metrics()}
         if decision.changed:
             record["plan"] = decision.plan.to_json()

@@ -154,6 +154,31 @@ def test_warm_up_steps_are_written_not_re_planned_on(tmp_path: Path) -> None:
                for r in records)  # fmt: skip
 
 
+def test_the_first_decision_prints_the_estimate_from_the_runs_own_costs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan's number at start assumes the acceptance (0.5 with a filter) and lengths;
+    the first re-planned step prints the step time predicted from what the run measured,
+    with the acceptance and lengths it saw, once."""
+    from launch.local import LocalLauncher
+    from yatt.placement.adaptive import StepTimes
+
+    launcher = LocalLauncher(load_run_config(EXAMPLE, ["placement.adaptive_warmup=0"]), tmp_path, show_progress=False)
+    launcher.plan = launcher.make_plan()
+    adapter = launcher.make_adapter(ready_s=1.0)
+    assert adapter is not None
+    times = StepTimes(generate_s=3.0, tail_s=0.0, reward_s=0.5, train_s=0.2, weight_sync_s=0.0, completion_mean=31,
+                      completion_p90=40, acceptance=0.14)  # fmt: skip
+    first = adapter.decide(0, times)
+    adapter.decide(1, times)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "measured costs" in line]
+    assert lines == [
+        f"yatt: placement: after step 0, from this run's measured costs: {first.predicted_step_s:.3g} s/step for this "
+        f"plan (acceptance 14%, completions 31 tokens mean; {launcher.plan.predicted_step_s:.3g} s/step was the "
+        "estimate before the first step)"
+    ]
+
+
 def test_each_decision_is_a_tensorboard_scalar_and_a_change_its_reason_as_text(tmp_path: Path) -> None:
     """Beside ``placement.jsonl``, the decisions are TensorBoard scalars of the run
     ``tensorboard/placement`` (with the run's own scalars), and a change's reason is text."""

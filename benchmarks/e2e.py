@@ -21,6 +21,13 @@ training runs), ``disaggregated`` (generators on slots of their own, on-policy h
 ``auto`` (the planner's pick; which one it picked is read from the run's plan.json and
 given in the notes). Each gets the processes, cores and threads its plan assigns.
 
+Both jobs train on the ``digits`` task with its partial-credit reward
+(``yatt.rl.tasks:digits_reward``, ``data.task=digits`` and ``reward.scorers`` set for yatt;
+``_unmatchable`` refuses any other reward), whatever task the default job has (since
+2026-12-06 the ``repeated`` task, exact match: from a model without a warm start its reward
+is 0 and nothing is learnt; the e2e figures of 2026-12-06 before this was pinned had yatt at
+0.000 -> 0.000 and are void).
+
 Sizes. ``tiny`` (default): the default job of ``launch/default.yaml`` on its tiny model
 (built once with ``build_tiny_model(dir, seed=0)``, as the launcher builds it, and passed
 to both as ``model.path``), plus ``buffer.filter=none`` (TRL trains every group; yatt's
@@ -182,8 +189,12 @@ WINDOW = 3
 WARMUP_STEPS = 1
 """Steps left out of the training figures (train_s_median, train_gflops_per_s, mfu)."""
 
+DIGITS = "yatt.rl.tasks:digits_reward"
+"""The reward of both jobs (TRL's is ``benchmarks.trl_grpo.reward``, this function)."""
 _BOTH = [  # TRL's job neither evaluates nor warm-starts; both compute in bf16 where the CPU has it
     "run.eval_every=0", "model.warm_start_steps=0", "model.dtype=auto",
+    # The digits task and its partial-credit reward, whatever launch/default.yaml's task is.
+    "data.task=digits", "data.eval_split=0", f"reward.scorers=[{{kind: custom, name: digits, function: '{DIGITS}'}}]",
 ]
 JOBS: dict[Size, list[str]] = {
     "tiny": [
@@ -270,6 +281,9 @@ def _unmatchable(cfg: RunConfig) -> list[str]:
         ("buffer.custom_filter", b.custom_filter, ""),
     ]
     problems = [f"{name} = {got!r} (TRL job needs {want!r})" for name, got, want in wanted if got != want]
+    scorers = [(s.kind, s.function, s.weight) for s in cfg.reward.scorers]
+    if scorers != [("custom", DIGITS, 1.0)]:  # TRL's reward function is this one
+        problems.append(f"reward.scorers = {scorers} (TRL job needs [('custom', {DIGITS!r}, 1.0)])")
     dtype = _compute_dtype(cfg)
     if dtype not in ("float32", "bfloat16"):  # TRL on CPU: float32, or bf16 autocast
         problems.append(f"model.dtype = {cfg.model.dtype!r} computes in {dtype} (TRL job needs float32 or bfloat16)")

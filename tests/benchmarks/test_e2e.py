@@ -91,6 +91,11 @@ def test_the_trl_job_computes_in_yatt_s_dtype(tiny_model_dir: Path) -> None:
     problems = _unmatchable(load_run_config(None, [*items, "model.dtype=float16", "buffer.filter=all_equal"]))
     assert len(problems) == 2
     assert any("model.dtype = 'float16' computes in float16" in p for p in problems)
+    # TRL scores with the digits reward: a job on another reward (the default job's) is refused.
+    assert cfg.data.task == "digits"
+    other = "reward.scorers=[{kind: custom, function: 'yatt.rl.tasks:repeated_reward'}]"
+    [problem] = _unmatchable(load_run_config(None, [*items, "data.task=repeated", other]))
+    assert problem.startswith("reward.scorers = [('custom', 'yatt.rl.tasks:repeated_reward', 1.0)] (TRL job needs")
 
 
 @pytest.mark.parametrize(

@@ -376,6 +376,7 @@ class Buffer(Actor):
             "buffer/duplicates": float(s.duplicates),
             "buffer/trained_groups": float(s.trained_groups),
             "buffer/rolled_back": float(s.rolled_back),
+            "buffer/skipped_settled": float(self.core.skipped_settled),
             "buffer/acceptance_ema": self.core.ema,
             "buffer/step": float(self.core.step),
             "buffer/policy_version": float(self.core.version),

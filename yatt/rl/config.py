@@ -519,6 +519,14 @@ class BufferConfig:
     acceptance_window: int = 200
     """The groups (the last ones decided, in prompt order) over which min_acceptance is
     measured; nothing is judged before this many were decided."""
+    settled_after: int = 2
+    """A prompt is settled once its last this-many groups were filtered as all rewards equal
+    (always solved, or never): with filter all_equal, generating it again is likely thrown
+    away. 0: no prompt is ever settled."""
+    settled_keep: float = 0.25
+    """The share of a settled prompt's visits (one an epoch) still generated, drawn by a
+    seeded coin per visit; the others are skipped without generating (``buffer/skipped_settled``).
+    A kept visit that is accepted unsettles the prompt. 1: settled prompts are all generated."""
 
     def __post_init__(self) -> None:
         require(
@@ -531,6 +539,8 @@ class BufferConfig:
             f"must be in [0, 1), 0 for no floor (got {self.min_acceptance})",
         )
         require(self.acceptance_window >= 1, "acceptance_window", f"must be >= 1 (got {self.acceptance_window})")
+        require(self.settled_after >= 0, "settled_after", f"must be >= 0, 0 for never (got {self.settled_after})")
+        require(0 <= self.settled_keep <= 1, "settled_keep", f"must be in [0, 1] (got {self.settled_keep})")
         require(
             self.max_filtered_batches >= 0,
             "max_filtered_batches",

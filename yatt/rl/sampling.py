@@ -9,6 +9,11 @@ resumed run makes the same steps as an uninterrupted one::
     offer(group) ----> filter ----> decided[g]      (accepted | filtered; ledger first)
                                         |
     cursor walks g = 0, 1, 2, ... over decided positions (an undecided one blocks it):
+        settled        -> skipped, never generated: the prompt's last buffer.settled_after
+                          groups were all filtered as all rewards equal, and a seeded coin
+                          for g says skip (buffer.settled_keep of the visits are generated).
+                          A function of the decisions before g: the prompt's previous visit
+                          must be behind the cursor, or g waits (is not dispatched yet)
         filtered       -> skipped; past a bound on dynamic sampling (max_filtered_batches in a
                           row, or acceptance below min_acceptance over the last
                           acceptance_window groups) the run stops, or trains it (on_stall)
@@ -37,7 +42,7 @@ import json
 import logging
 import math
 from collections import Counter, deque
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import msgpack
 import numpy as np
@@ -52,6 +57,9 @@ from yatt.runtime.plugins import load_plugin
 
 logger = logging.getLogger(__name__)
 
+ALL_EQUAL = "all rewards equal"
+"""The all_equal filter's reason."""
+
 CUSTOM_FILTER = "a function f(group: ScoredGroup) -> str that returns '' to keep the group or why it drops it"
 """What ``buffer.custom_filter`` must name."""
 
@@ -59,6 +67,12 @@ CUSTOM_FILTER = "a function f(group: ScoredGroup) -> str that returns '' to keep
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
     """The seeded order in which epoch ``epoch`` visits the prompt indices."""
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(num_prompts)]
+
+
+def _coin(seed: int, g: int) -> float:
+    """A uniform draw in [0, 1) that is a function of the run's seed and position g."""
+    digest = hashlib.blake2b(f"{seed}:{g}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 def validate_group(group: ScoredGroup, group_size: int) -> None:
@@ -358,6 +372,9 @@ class SamplingBuffer:
         self._recent_accepted = 0  # groups of ``recent`` the filter accepted
         self.stalled = ""  # set at a bound on dynamic sampling (on_stall=error): why the run cannot go on
         self.replayed_from = 0  # the ledger row of the snapshot ``replay`` started from (0: the first row)
+        # prompt index -> its groups filtered as all rewards equal in a row (as the cursor passed them)
+        self.settled: dict[int, int] = {}
+        self.skipped_settled = 0  # positions the cursor skipped as settled (never generated)
         self._update_window()
 
     # ------------------------------------------------------------ positions and keys
@@ -451,7 +468,7 @@ class SamplingBuffer:
 
     def _filter_reason(self, group: ScoredGroup) -> str:
         if self.config.filter == "all_equal" and bool((group.rewards == group.rewards[0]).all()):
-            return "all rewards equal"
+            return ALL_EQUAL
         if self.config.max_completion_tokens and max(len(c) for c in group.completion_ids) > self.config.max_completion_tokens:
             return "too long"
         if self._custom is not None:
@@ -459,12 +476,31 @@ class SamplingBuffer:
         return ""
 
     def plan(self, shard: int) -> list[GroupKey]:
-        """The undecided groups of ``shard`` that should be in flight now, in order."""
+        """The undecided groups of ``shard`` that should be in flight now, in order (not the
+        settled ones the cursor will skip, nor those whose previous visit is undecided)."""
         return [
             key
             for g in range(self.cursor, self.dispatch_end)
-            if g not in self.decided and (key := self.key_at(g)).shard == shard
+            if g not in self.decided and (key := self.key_at(g)).shard == shard and self._settled(g) == "keep"
         ]
+
+    def _settled(self, g: int) -> Literal["keep", "skip", "wait"]:
+        """Whether position g is generated (keep) or skipped as settled (skip); wait while
+        the prompt's previous visit (last epoch's) is not behind the cursor: its record, the
+        groups of the prompt the cursor passed, is final only then."""
+        n = self.num_prompts
+        after, keep = self.config.settled_after, self.config.settled_keep
+        if self.config.filter != "all_equal" or not after or keep >= 1 or g < n:
+            return "keep"
+        epoch, p = divmod(g, n)
+        prompt = self._order(epoch)[p]
+        self._order(epoch - 1)
+        previous = (epoch - 1) * n + self._positions[epoch - 1][prompt]
+        if previous >= self.cursor:
+            return "wait"
+        if self.settled.get(prompt, 0) < after:
+            return "keep"
+        return "keep" if _coin(self.seed, g) < keep else "skip"
 
     @property
     def min_policy_version(self) -> int:
@@ -501,8 +537,17 @@ class SamplingBuffer:
 
     def _advance(self) -> None:
         changed = False
-        while self.cursor in self.decided and self._may_assemble():
+        while self._may_assemble():
             g = self.cursor
+            if g not in self.decided:
+                if self._settled(g) != "skip":
+                    break
+                self.skipped_settled += 1
+                self.attempts.pop(g, None)
+                self.cursor += 1
+                changed = True
+                self._update_window()
+                continue
             group, accepted = self.decided.pop(g)
             version = int(group.policy_versions.min())
             if accepted and self.step - version > self.config.max_staleness:
@@ -512,6 +557,11 @@ class SamplingBuffer:
                 changed = True
                 continue
             reason = self._reasons.pop(g, "filtered")
+            prompt = group.group_key.prompt_index
+            if reason == ALL_EQUAL and not accepted:
+                self.settled[prompt] = self.settled.get(prompt, 0) + 1
+            elif accepted:
+                self.settled.pop(prompt, None)
             if accepted:
                 self.filtered_run = []
                 self._below_the_floor(group, "")
@@ -652,7 +702,10 @@ class SamplingBuffer:
             assembled = self.wave_index * self.groups_per_wave + len(self.wave)
             needed = min(needed, max(0, per_step * (self.total_steps - self.step) - assembled))
         factor = min(self.config.max_oversample, 1.0 / max(self.ema, 1e-6))
-        end = self.cursor + math.ceil(needed * factor)
+        end, wanted = self.cursor, math.ceil(needed * factor)
+        while wanted > 0:  # settled positions are not generated: they do not count
+            wanted -= self._settled(end) != "skip"
+            end += 1
         if end > self.dispatch_end:
             self.dispatch_end = end
             return True
@@ -766,6 +819,7 @@ class SamplingBuffer:
             "ema": self.ema, "dispatch_end": self.dispatch_end, "version_ceiling": self.version_ceiling,
             "stalled": self.stalled, "filtered_run": self.filtered_run, "recent": list(self.recent),
             "attempts": sorted(self.attempts.items()),
+            "settled": sorted(self.settled.items()), "skipped_settled": self.skipped_settled,
             "decided": [[g, dataclasses.astuple(group.group_key), accepted] for g, (group, accepted) in sorted(self.decided.items())],
             "wave": keys(self.wave),
             "step_groups": [
@@ -797,6 +851,8 @@ class SamplingBuffer:
         self.recent.extend((reason, mean) for reason, mean in snapshot["recent"])
         self._recent_accepted = sum(not reason for reason, _ in self.recent)
         self.attempts = {g: a for g, a in snapshot["attempts"]}
+        self.settled = {p: n for p, n in snapshot["settled"]}
+        self.skipped_settled = snapshot["skipped_settled"]
         for g, k, accepted in snapshot["decided"]:
             group, reason = groups[_key(k)]
             self.decided[g] = (group, accepted)

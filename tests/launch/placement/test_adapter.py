@@ -164,17 +164,18 @@ def test_the_first_decision_prints_the_estimate_from_the_runs_own_costs(
     from yatt.placement.adaptive import StepTimes
 
     launcher = LocalLauncher(load_run_config(EXAMPLE, ["placement.adaptive_warmup=0"]), tmp_path, show_progress=False)
-    launcher.plan = launcher.make_plan()
+    launcher.plan = plan = launcher.make_plan()
     adapter = launcher.make_adapter(ready_s=1.0)
     assert adapter is not None
     times = StepTimes(generate_s=3.0, tail_s=0.0, reward_s=0.5, train_s=0.2, weight_sync_s=0.0, completion_mean=31,
                       completion_p90=40, acceptance=0.14)  # fmt: skip
+    start = plan.predicted_step_s
     first = adapter.decide(0, times)
     adapter.decide(1, times)
     lines = [line for line in capsys.readouterr().out.splitlines() if "measured costs" in line]
     assert lines == [
         f"yatt: placement: after step 0, from this run's measured costs: {first.predicted_step_s:.3g} s/step for this "
-        f"plan (acceptance 14%, completions 31 tokens mean; {launcher.plan.predicted_step_s:.3g} s/step was the "
+        f"plan (acceptance 14%, completions 31 tokens mean; {start:.3g} s/step was the "
         "estimate before the first step)"
     ]
 

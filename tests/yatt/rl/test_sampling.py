@@ -145,7 +145,7 @@ def test_on_policy_closes_the_window_and_supersedes_extras(tmp_path: Path) -> No
 
 
 def test_oversampling_follows_acceptance(tmp_path: Path) -> None:
-    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_oversample=3.0)
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_oversample=3.0, settled_after=0)
     # Reject everything in order: the EMA falls and the window widens, up to the cap.
     for _ in range(3):
         for k in [k for s in (0, 1) for k in buf.plan(s)]:
@@ -252,7 +252,10 @@ def test_a_forked_row_that_does_not_fit_its_group_is_refused_naming_it() -> None
         validate_group(dataclasses.replace(group, forked=[short]), 2)
 
 
-STATE = ("cursor", "step", "wave_index", "version", "ema", "dispatch_end", "attempts", "stats", "version_ceiling")
+STATE = (
+    "cursor", "step", "wave_index", "version", "ema", "dispatch_end", "attempts", "stats", "version_ceiling",
+    "settled", "skipped_settled",
+)
 
 
 def state(buf: SamplingBuffer) -> dict[str, object]:
@@ -393,8 +396,8 @@ def test_a_replay_starts_from_the_last_checkpoints_snapshot_and_continues_identi
     """Each checkpoint's mark stores the state; a restart replays only the events after
     the newest one and comes back to the same state, micro-batches, reports and counts,
     mid-step, as the buffer that made them and as a replay of the whole ledger."""
-    reference = drive(make_buffer(tmp_path, "ref.db", max_staleness=staleness), 8, None)
-    buf = make_buffer(tmp_path, "run.db", max_staleness=staleness)
+    reference = drive(make_buffer(tmp_path, "ref.db", max_staleness=staleness, settled_after=0), 8, None)
+    buf = make_buffer(tmp_path, "run.db", max_staleness=staleness, settled_after=0)
     rng = random.Random(5)
     first = drive(buf, 2, rng)
     buf.mark()
@@ -405,7 +408,7 @@ def test_a_replay_starts_from_the_last_checkpoints_snapshot_and_continues_identi
     mid_step(buf)
     buf.ledger.commit()
     events = len(buf.ledger.events())
-    restarted = make_buffer(tmp_path, "run.db", max_staleness=staleness)
+    restarted = make_buffer(tmp_path, "run.db", max_staleness=staleness, settled_after=0)
     replayed = restarted.replay()
     assert 0 < replayed < events / 4, f"replayed {replayed} of the ledger's {events} events"
     assert whole_state(restarted) == whole_state(buf)
@@ -414,7 +417,7 @@ def test_a_replay_starts_from_the_last_checkpoints_snapshot_and_continues_identi
     db.execute("DELETE FROM snapshots")
     db.commit()
     db.close()
-    whole = make_buffer(tmp_path, "whole.db", max_staleness=staleness)
+    whole = make_buffer(tmp_path, "whole.db", max_staleness=staleness, settled_after=0)
     assert whole.replay() == events
     assert whole_state(whole) == whole_state(restarted)
     assert prompts(first + drive(restarted, 3, random.Random(2))) == prompts(reference)  # (stale redos: new attempts)
@@ -521,7 +524,7 @@ def play(
 
 def crawler(tmp_path: Path, name: str = "ledger.db", **overrides: object) -> SamplingBuffer:
     """A buffer with a floor of 1 accepted group in 4 over the last 8."""
-    return make_buffer(tmp_path, name, **{"min_acceptance": 0.25, "acceptance_window": 8, **overrides})
+    return make_buffer(tmp_path, name, **{"min_acceptance": 0.25, "acceptance_window": 8, "settled_after": 0, **overrides})
 
 
 def one_in(n: int) -> Callable[[int], bool]:
@@ -600,6 +603,136 @@ def test_on_stall_train_trains_on_filtered_groups_while_acceptance_is_below_the_
     trained = {buf.position(e.key) for e in buf.ledger.entries("trained")}
     assert {g for g in range(48) if g in trained} == {0} | set(range(7, 48)) - {43, 45, 47}
     assert {g for g in range(48, 72) if g in trained} == set(range(48, 72, 2))
+
+
+# ---------------------------------------------------------------- settled prompts
+
+
+def solved_until(epoch: int) -> Callable[[GroupKey], bool]:
+    """Every third prompt comes back all-equal (solved) in the epochs before ``epoch``;
+    every group has a signal from then on."""
+    return lambda key: key.prompt_index % 3 != 0 or key.epoch >= epoch
+
+
+def settle(buf: SamplingBuffer, signal: Callable[[GroupKey], bool], steps: int, rng: random.Random | None) -> list[GroupKey]:
+    """Controllers and trainer over ``steps`` steps; returns every key the buffer planned."""
+    asked: list[GroupKey] = []
+    end = buf.version + steps
+    while buf.version < end:
+        step = buf.version  # (on-policy: the step to train is the version's)
+        if all((step, i) in buf.ready for i in range(buf.config.micro_batches_per_step)):
+            for i in range(buf.config.micro_batches_per_step):
+                buf.release(step, i)
+            buf.publish_version(step + 1)
+            continue
+        planned = [k for s in (0, 1) for k in buf.plan(s)]
+        assert planned, "the buffer must ask for work while a step is incomplete"
+        asked += planned
+        if rng is not None:
+            rng.shuffle(planned)
+        for key in planned:
+            buf.offer(make_group(key, max(buf.min_policy_version, buf.version), equal=not signal(key)))
+    return asked
+
+
+def visits(keys: list[GroupKey]) -> set[tuple[int, int]]:
+    return {(k.epoch, k.prompt_index) for k in keys}
+
+
+def test_settled_prompts_are_skipped_without_being_generated(tmp_path: Path) -> None:
+    """Prompts 0, 3, 6, 9 come back all-equal: once filtered twice in a row (epochs 0 and
+    1) they are settled, and from epoch 2 on only the visits their seeded coin keeps
+    (settled_keep, 1 in 4) are asked for; the others are never planned, and the cursor
+    passes them. The prompts with a signal are asked for every epoch."""
+    buf = make_buffer(tmp_path, micro_batches_per_step=1)
+    asked = visits(settle(buf, solved_until(99), 12, None))
+    epochs = max(e for e, _ in asked)
+    assert epochs >= 4
+    for e in range(epochs):
+        assert {(e, p) for p in range(N_PROMPTS) if p % 3} <= asked  # every prompt with a signal
+    solved = {(e, p) for e in range(epochs) for p in range(0, N_PROMPTS, 3)}
+    assert {(e, p) for e, p in solved if e < 2} <= asked  # not settled yet
+    later = {(e, p) for e, p in solved if e >= 2}
+    kept = later & asked
+    assert 0 < len(kept) < len(later) / 2, f"{len(kept)} of {len(later)} settled visits generated"
+    assert buf.settled == {p: 2 + len({e for e, q in kept if q == p}) for p in range(0, N_PROMPTS, 3)}
+    skipped = len([g for g in range(2 * N_PROMPTS, buf.cursor) if (g // N_PROMPTS, buf.key_at(g).prompt_index) not in asked])
+    assert skipped > 0 and buf.skipped_settled == skipped
+    off = make_buffer(tmp_path, "off.db", micro_batches_per_step=1, settled_keep=1.0)
+    assert solved <= visits(settle(off, solved_until(99), 12, None))  # settled_keep 1: all generated
+    assert off.skipped_settled == 0
+
+
+def test_a_settled_prompt_that_is_accepted_again_is_unsettled(tmp_path: Path) -> None:
+    """From epoch 3 every group has a signal: a settled prompt's first kept visit is
+    accepted, and its next epoch's visit is generated again (no coin)."""
+    buf = make_buffer(tmp_path, micro_batches_per_step=1)
+    asked = visits(settle(buf, solved_until(3), 20, None))
+    epochs = max(e for e, _ in asked)
+    unsettled = 0
+    for p in range(0, N_PROMPTS, 3):
+        kept = sorted(e for e, q in asked if q == p and e >= 3)
+        if kept and kept[0] + 1 < epochs:
+            assert (kept[0] + 1, p) in asked, f"prompt {p} accepted in epoch {kept[0]}, skipped after"
+            unsettled += 1
+    assert unsettled > 0
+    passed = {e.key.prompt_index for e in buf.ledger.entries("accepted") if e.key.epoch >= 3 and buf.position(e.key) < buf.cursor}
+    assert passed & set(range(0, N_PROMPTS, 3)) and not passed & set(buf.settled)
+
+
+def test_a_visit_waits_for_its_prompts_previous_one_to_be_behind_the_cursor(tmp_path: Path) -> None:
+    """With most groups filtered the window spans more than an epoch (12 prompts, up to 4 x
+    4 positions), so a prompt's next visit can be in it while its last one is in flight:
+    that visit is not asked for until the last one is behind the cursor (its record final),
+    so whether it is skipped never depends on which group arrived first."""
+    buf = make_buffer(tmp_path, micro_batches_per_step=1, max_oversample=4.0)
+    rng = random.Random(7)
+    waited = 0
+    while buf.version < 12:
+        if (buf.version, 0) in buf.ready:
+            buf.release(buf.version, 0)
+            buf.publish_version(buf.version + 1)
+            continue
+        planned = [k for s in (0, 1) for k in buf.plan(s)]
+        window = range(buf.cursor, buf.dispatch_end)
+        for key in planned:
+            if key.epoch:
+                assert buf.position(dataclasses.replace(key, epoch=key.epoch - 1, attempt=0)) < buf.cursor, key
+        waited += sum(g >= N_PROMPTS and g not in buf.decided and buf._settled(g) == "wait" for g in window)
+        rng.shuffle(planned)
+        for key in planned[: max(1, len(planned) // 2)]:  # half of it arrives: the rest stays in flight
+            buf.offer(make_group(key, max(buf.min_policy_version, buf.version), equal=key.prompt_index % 4 != 0))
+    assert waited > 0, "no visit ever waited: the window never spanned a prompt's two visits"
+
+
+def test_skipping_settled_prompts_does_not_depend_on_arrival_order_or_a_restart(tmp_path: Path) -> None:
+    """The same steps, skips and record in prompt order, shuffled, and replayed from the
+    ledger (whole, and from a checkpoint's snapshot) mid-run."""
+    reference = make_buffer(tmp_path, "ref.db", micro_batches_per_step=1)
+    settle(reference, solved_until(4), 16, None)
+    buf = make_buffer(tmp_path, "run.db", micro_batches_per_step=1)
+    rng = random.Random(3)
+    settle(buf, solved_until(4), 7, rng)
+    buf.mark()
+    settle(buf, solved_until(4), 2, rng)
+    assert buf.skipped_settled > 0
+    buf.ledger.commit()
+    restarted = make_buffer(tmp_path, "run.db", micro_batches_per_step=1)
+    restarted.replay()
+    assert restarted.replayed_from > 0 and state(restarted) == state(buf)
+    db = sqlite3.connect(tmp_path / "whole.db")
+    buf.ledger._db.backup(db)
+    db.execute("DELETE FROM snapshots")
+    db.commit()
+    db.close()
+    whole = make_buffer(tmp_path, "whole.db", micro_batches_per_step=1)
+    whole.replay()
+    assert state(whole) == state(buf)
+    trained = [(e.step, e.key.epoch, e.key.prompt_index) for e in reference.ledger.entries("trained")]
+    settle(restarted, solved_until(4), 7, rng)
+    again = [(e.step, e.key.epoch, e.key.prompt_index) for e in restarted.ledger.entries("trained")]
+    assert sorted(again) == sorted(trained)
+    assert restarted.skipped_settled == reference.skipped_settled and restarted.settled == reference.settled
 
 
 def test_step_report_by_hand() -> None:

@@ -169,6 +169,7 @@ def test_the_first_decision_prints_the_estimate_from_the_runs_own_costs(
     assert adapter is not None
     times = StepTimes(generate_s=3.0, tail_s=0.0, reward_s=0.5, train_s=0.2, weight_sync_s=0.0, completion_mean=31,
                       completion_p90=40, acceptance=0.14)  # fmt: skip
+    assert plan is not None
     start = plan.predicted_step_s
     first = adapter.decide(0, times)
     adapter.decide(1, times)

@@ -930,7 +930,7 @@ class _Batch:
     ref: Tensor | None = None  # reference log-probs
     old_values: Tensor | None = None  # critic values before the batch's updates
     returns: Tensor | None = None  # value targets (gae)
-    share: bool = True  # False: log-probs of rows without a prompt (Trainer.logprobs), none shared
+    share: bool = True  # False: no shared layout (Trainer.logprobs' rows have no prompt; auto found none cheaper)
     layout: Layout | None = None  # with trainer.share_prompt, built at the batch's first forward
 
 

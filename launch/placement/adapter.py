@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,11 +166,13 @@ class Adapter:
         decision = self.replanner.observe(step, times, steps_left=self.cfg.run.steps - step - 1)
         if not self.calibrated:  # the start's number assumed the acceptance and lengths: say what they are
             self.calibrated = True
-            print(
+            from tqdm import tqdm  # (its write clears the progress bar, prints, and draws it again)
+
+            tqdm.write(
                 f"yatt: placement: after step {step}, from this run's measured costs: {decision.predicted_step_s:.3g} "
                 f"s/step for this plan (acceptance {times.acceptance:.0%}, completions {times.completion_mean:.0f} "
                 f"tokens mean; {self.start_estimate_s:.3g} s/step was the estimate before the first step)",
-                flush=True,
+                file=sys.stdout,
             )
         record: dict[str, Any] = {"step": step, "reason": decision.reason, **decision.metrics()}
         if decision.changed:

@@ -116,18 +116,24 @@ def test_packed_log_probs_are_the_padded_ones(compared: Results) -> None:
     assert not packed[~valid].any() and not packed[:, 0].any()
 
 
-def test_packed_loss_counts_and_gradients_are_the_padded_ones(compared: Results) -> None:
-    padded, packed = compared["padded"], compared["packed"]
-    assert_grads_close(padded["grads"], packed["grads"])
+def assert_the_padded_results(padded: Results, other: Results) -> None:
+    """``other`` (another layout's streamed step and gae step) is the padded one's: the
+    gradients, the counts exactly, every loss term and metric to 1e-6."""
+    assert_grads_close(padded["grads"], other["grads"])
     for key in ("count", "tokens", "sequences", "padding", "positions"):
-        assert packed["sums"][key] == padded["sums"][key], key
+        assert other["sums"][key] == padded["sums"][key], key
     for key in ("loss", "entropy", "kl", "is_weight", "logprob_diff"):
-        assert packed["sums"][key] == pytest.approx(padded["sums"][key], rel=1e-6, abs=1e-6), key
+        assert other["sums"][key] == pytest.approx(padded["sums"][key], rel=1e-6, abs=1e-6), key
     for key in ("loss", "grad_norm", "entropy", "kl", "pad_share"):
-        assert packed["step"][key] == pytest.approx(padded["step"][key], rel=1e-6, abs=1e-6), key
+        assert other["step"][key] == pytest.approx(padded["step"][key], rel=1e-6, abs=1e-6), key
     for key in ("loss", "value_loss", "value_mean", "kl", "grad_norm", "critic_grad_norm", "tokens"):
-        assert packed["gae"][key] == pytest.approx(padded["gae"][key], rel=1e-6, abs=1e-6), key
-    assert packed["gae"]["value_loss"] > 0 and packed["step"]["kl"] == 0.0  # the reference is the policy
+        assert other["gae"][key] == pytest.approx(padded["gae"][key], rel=1e-6, abs=1e-6), key
+    assert other["gae"]["value_loss"] > 0
+
+
+def test_packed_loss_counts_and_gradients_are_the_padded_ones(compared: Results) -> None:
+    assert_the_padded_results(compared["padded"], compared["packed"])
+    assert compared["packed"]["step"]["kl"] == 0.0  # the reference is the policy
 
 
 def test_a_packed_sequence_does_not_see_the_one_before_it(compared: Results) -> None:

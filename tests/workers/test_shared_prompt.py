@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.workers.test_packing import assert_the_padded_results
 from tests.workers.test_trainer import (
     ADVANTAGES,
     Batch,
@@ -183,17 +184,7 @@ def compared(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize("mode", ["shared", "one_row"])
 def test_shared_prompt_loss_counts_and_gradients_are_the_padded_ones(compared: Results, mode: str) -> None:
-    padded, shared = compared["padded"], compared[mode]
-    assert_grads_close(padded["grads"], shared["grads"])
-    for key in ("count", "tokens", "sequences", "padding", "positions"):
-        assert shared["sums"][key] == padded["sums"][key], key
-    for key in ("loss", "entropy", "kl", "is_weight", "logprob_diff"):
-        assert shared["sums"][key] == pytest.approx(padded["sums"][key], rel=1e-6, abs=1e-6), key
-    for key in ("loss", "grad_norm", "entropy", "kl", "pad_share"):
-        assert shared["step"][key] == pytest.approx(padded["step"][key], rel=1e-6, abs=1e-6), key
-    for key in ("loss", "value_loss", "value_mean", "kl", "grad_norm", "critic_grad_norm", "tokens"):
-        assert shared["gae"][key] == pytest.approx(padded["gae"][key], rel=1e-6, abs=1e-6), key
-    assert shared["gae"]["value_loss"] > 0
+    assert_the_padded_results(compared["padded"], compared[mode])
 
 
 def test_auto_shares_a_prompt_where_that_saves_flops_only(compared: Results) -> None:

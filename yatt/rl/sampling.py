@@ -12,8 +12,9 @@ resumed run makes the same steps as an uninterrupted one::
         settled        -> skipped, never generated: the prompt's last buffer.settled_after
                           groups were all filtered as all rewards equal, and a seeded coin
                           for g says skip (buffer.settled_keep of the visits are generated).
-                          A function of the decisions before g: the prompt's previous visit
-                          must be behind the cursor, or g waits (is not dispatched yet)
+                          A function of the decisions before g: while the prompt's earlier
+                          visits are not all behind the cursor, g is generated if they cannot
+                          settle it, else it waits (is not dispatched yet)
         filtered       -> skipped; past a bound on dynamic sampling (max_filtered_batches in a
                           row, or acceptance below min_acceptance over the last
                           acceptance_window groups) the run stops, or trains it (on_stall)
@@ -485,21 +486,25 @@ class SamplingBuffer:
         ]
 
     def _settled(self, g: int) -> Literal["keep", "skip", "wait"]:
-        """Whether position g is generated (keep) or skipped as settled (skip); wait while
-        the prompt's previous visit (last epoch's) is not behind the cursor: its record, the
-        groups of the prompt the cursor passed, is final only then."""
+        """Whether position g is generated (keep) or skipped as settled (skip): a function of
+        the prompt's record once its earlier visits are behind the cursor. While some are not
+        (pending), keep if they cannot make it settled, else wait: so plan and cursor agree."""
         n = self.num_prompts
         after, keep = self.config.settled_after, self.config.settled_keep
         if self.config.filter != "all_equal" or not after or keep >= 1 or g < n:
             return "keep"
         epoch, p = divmod(g, n)
         prompt = self._order(epoch)[p]
-        self._order(epoch - 1)
-        previous = (epoch - 1) * n + self._positions[epoch - 1][prompt]
-        if previous >= self.cursor:
+        count, pending = self.settled.get(prompt, 0), 0
+        for earlier in range(epoch - 1, -1, -1):
+            self._order(earlier)
+            if earlier * n + self._positions[earlier][prompt] < self.cursor:
+                break
+            pending += 1
+        if count + pending < after:
+            return "keep"  # (settled needs `after` all-equal visits in a row: not by g)
+        if pending:
             return "wait"
-        if self.settled.get(prompt, 0) < after:
-            return "keep"
         return "keep" if _coin(self.seed, g) < keep else "skip"
 
     @property

@@ -683,8 +683,9 @@ def test_a_settled_prompt_that_is_accepted_again_is_unsettled(tmp_path: Path) ->
 def test_a_visit_waits_for_its_prompts_previous_one_to_be_behind_the_cursor(tmp_path: Path) -> None:
     """With most groups filtered the window spans more than an epoch (12 prompts, up to 4 x
     4 positions), so a prompt's next visit can be in it while its last one is in flight:
-    that visit is not asked for until the last one is behind the cursor (its record final),
-    so whether it is skipped never depends on which group arrived first."""
+    that visit is not asked for while the visits in flight could settle the prompt (its
+    record + them >= settled_after), so whether it is skipped never depends on which group
+    arrived first."""
     buf = make_buffer(tmp_path, micro_batches_per_step=1, max_oversample=4.0)
     rng = random.Random(7)
     waited = 0
@@ -696,13 +697,22 @@ def test_a_visit_waits_for_its_prompts_previous_one_to_be_behind_the_cursor(tmp_
         planned = [k for s in (0, 1) for k in buf.plan(s)]
         window = range(buf.cursor, buf.dispatch_end)
         for key in planned:
-            if key.epoch:
-                assert buf.position(dataclasses.replace(key, epoch=key.epoch - 1, attempt=0)) < buf.cursor, key
+            earlier = [e for e in range(key.epoch) if buf.position(dataclasses.replace(key, epoch=e, attempt=0)) >= buf.cursor]
+            assert not earlier or buf.settled.get(key.prompt_index, 0) + len(earlier) < 2, key
         waited += sum(g >= N_PROMPTS and g not in buf.decided and buf._settled(g) == "wait" for g in window)
         rng.shuffle(planned)
         for key in planned[: max(1, len(planned) // 2)]:  # half of it arrives: the rest stays in flight
             buf.offer(make_group(key, max(buf.min_policy_version, buf.version), equal=key.prompt_index % 4 != 0))
     assert waited > 0, "no visit ever waited: the window never spanned a prompt's two visits"
+
+
+def test_a_small_dataset_is_not_held_back_by_the_wait(tmp_path: Path) -> None:
+    """2 prompts, 4 groups a step: a step spans 2 epochs. A visit whose earlier ones are in
+    flight waits only if they could settle its prompt (2 all-equal in a row): at the start
+    none has a record, so the whole step is asked for at once."""
+    config = BufferConfig(groups_per_step=4, group_size=2, micro_batches_per_step=1)
+    buf = SamplingBuffer(config, num_prompts=2, num_shards=1, world_size=1, seed=0, ledger=Ledger(tmp_path / "l.db"))
+    assert len(buf.plan(0)) == 4
 
 
 def test_skipping_settled_prompts_does_not_depend_on_arrival_order_or_a_restart(tmp_path: Path) -> None:

@@ -14,12 +14,15 @@ benchmark weighs on each about equally; figures are medians over the repeats::
                               --> python -m benchmarks.trl_grpo SPEC OUT      (1 process)
                                                    metrics.jsonl (same keys), wall time, peak PSS
 
-Layouts (``placement.layout``, ``yatt.placement``): ``colocated`` (each of the 2 trainer
-ranks also hosts a generator engine on its own module; generation and training take
-turns), ``partial`` (training on every slot, generator processes on a subset, asleep while
+Layouts (``placement.layout``, ``yatt.placement``): ``colocated`` (each trainer rank also
+hosts a generator engine on its own module; generation and training take turns),
+``partial`` (training on every slot, generator processes on a subset, asleep while
 training runs), ``disaggregated`` (generators on slots of their own, on-policy here) and
-``auto`` (the planner's pick; which one it picked is read from the run's plan.json and
-given in the notes). Each gets the processes, cores and threads its plan assigns.
+``auto`` (the planner's pick; which one it picked, and how many ranks, is read from the
+run's plan.json and given in the notes). The plan also picks the rank count
+(``trainer.world_size=0``): a rank per core, or one rank whose threads span every core,
+from the model's thread scaling measured at start. Each gets the processes, cores and
+threads its plan assigns.
 
 Both jobs train on the ``digits`` task with its partial-credit reward
 (``yatt.rl.tasks:digits_reward``, ``data.task=digits`` and ``reward.scorers`` set for yatt;
@@ -71,8 +74,8 @@ on the completion decoded with ``skip_special_tokens=True`` in both.
 
 Not matched, and why (also in the result's notes):
 
-- Processes and threads: yatt runs 6 to 7 processes (buffer, reward, 2 controllers, 2
-  FSDP2 trainer ranks over gloo, and a generator process unless colocated), with the
+- Processes and threads: yatt runs 5 to 7 processes (buffer, reward, 2 controllers, 1 or 2
+  FSDP2 trainer ranks, over gloo when 2, and a generator process unless colocated), with the
   cores and threads of its plan (``launch.processes.role_threads``); TRL runs generation,
   reward and training in one process, given all cores
   (``torch.set_num_threads(os.cpu_count())``; ``--set trl_threads=N`` changes it). That
@@ -88,8 +91,8 @@ Not matched, and why (also in the result's notes):
 - GRPO's epsilon: advantages are (r - mean) / (std + eps) with the unbiased std in both,
   eps 1e-6 in yatt and 1e-4 in TRL (hard-coded there); it only matters for groups with
   nearly equal rewards.
-- Data parallelism: yatt's batch is split over 2 trainer ranks x 2 micro-batches of 16
-  samples, TRL's into 2 micro-batches of 32; both divide the summed token losses by the
+- Data parallelism: yatt's batch is split over its ranks (the plan's 1 or 2) x 2
+  micro-batches, TRL's into 2 micro-batches; both divide the summed token losses by the
   step's global token count, so the gradient is the same up to float rounding.
 - Mixed precision: yatt casts the weights to bfloat16 for each forward (FSDP2's
   param_dtype) and reduces gradients in float32; TRL autocasts (matmuls in bfloat16,
@@ -193,6 +196,7 @@ DIGITS = "yatt.rl.tasks:digits_reward"
 """The reward of both jobs (TRL's is ``benchmarks.trl_grpo.reward``, this function)."""
 _BOTH = [  # TRL's job neither evaluates nor warm-starts; both compute in bf16 where the CPU has it
     "run.eval_every=0", "model.warm_start_steps=0", "model.dtype=auto",
+    "trainer.world_size=0",  # the plan picks the ranks too: a rank per core or one over every core
     # The digits task and its partial-credit reward, whatever launch/default.yaml's task is.
     "data.task=digits", "data.eval_split=0", f"reward.scorers=[{{kind: custom, name: digits, function: '{DIGITS}'}}]",
 ]
@@ -444,14 +448,16 @@ def _job(size: Size, steps: int, opts: Options, scratch: Path) -> Job:
 
 
 def _run_yatt(job: Job, layout: Layout, run_dir: Path) -> tuple[Side, str]:
-    """One yatt run in ``layout``; also the layout its plan placed (auto's pick)."""
+    """One yatt run in ``layout``; also the layout and rank count its plan placed (auto's pick)."""
     run = run_yatt([*job.overrides, f"placement.layout={layout}"], run_dir, timeout_s=job.timeout_s)
     measured = Monitored(
         started_unix=run.started_unix, wall_s=run.wall_s, peak_memory_mb=run.peak_memory_mb,
         memory_samples=run.memory_samples,
     )
     side = _side(job, run.metrics, measured, f"yatt {layout}")
-    return side, str(json.loads((run_dir / names.PLAN).read_text())["layout"])
+    plan = json.loads((run_dir / names.PLAN).read_text())
+    ranks = sum(a["role"] == "trainer" for a in plan["assignments"])
+    return side, f"{plan['layout']} ({ranks} trainer rank{'s' if ranks > 1 else ''})"
 
 
 def _run_trl(job: Job, out: Path) -> Side:

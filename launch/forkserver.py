@@ -103,7 +103,7 @@ class ForkServer:
     """Forks role processes from one server process that has imported ``preload``."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
-        self.preload = list(preload)
+        self.preload = [*preload, "launch.forkserver_freeze"]  # last: it freezes what the others made
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(self.preload)
 

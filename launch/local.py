@@ -46,7 +46,7 @@ from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
 from launch.placement.adapter import Adapter
 from launch.placement.executor import PlanExecutor
 from launch.placement.inputs import make_plan, this_machine
-from launch.placement.plan_file import describe, world_size_of, write_plan
+from launch.placement.plan_file import describe, with_planned_ranks, world_size_of, write_plan
 from launch.prepare import (
     check_run_dir,
     checkpoint_step,
@@ -124,6 +124,8 @@ class LocalLauncher:
         self.host = cfg.run.host
         """The address of the registry and of the torch.distributed rendezvous."""
         self.plan: Plan | None = None
+        self.prompt_tokens: float | None = None
+        """The training prompts' mean length in tokens (the planner's workload), once read."""
         self.gpu_slots = False  # the plan's slots are GPUs
         self.trainer_resume = resume
         """The checkpoint the trainer group (re)starts from."""
@@ -145,7 +147,7 @@ class LocalLauncher:
         cluster = this_machine(peak_flops=0.0, cpu_slots=self.cfg.placement.cpu_slots)  # the planner measures the peak when it needs it
         self.gpu_slots = cluster.slots[0].kind == "gpu"
         self.cluster = cluster
-        return make_plan(self.cfg, cluster)
+        return make_plan(self.cfg, cluster, self.prompt_tokens)
 
     def make_adapter(self, ready_s: float) -> Adapter | None:
         """The run's replanner (placement.adaptive), its switch costs this run's own: for an
@@ -158,7 +160,7 @@ class LocalLauncher:
 
         cluster = self.cluster if self.cluster.peak_flops > 0 else with_peak(self.cluster, self.cfg.model.dtype)
         switch = SwitchCosts(to_rollout_s=ready_s, to_train_s=1.0, reshard_s=ready_s)
-        return Adapter(self.cfg, self.plan, cluster, self.run_dir, switch=switch)
+        return Adapter(self.cfg, self.plan, cluster, self.run_dir, switch=switch, prompt_tokens=self.prompt_tokens)
 
     @property
     def world_size(self) -> int:
@@ -223,8 +225,8 @@ class LocalLauncher:
                 flush=True,
             )
             return 0
-        if self.fork_server is not None:  # its imports run beside the checks and the warm start
-            self.fork_server.start()
+        if self.fork_server is not None and self.cfg.trainer.world_size != 0:  # its imports run beside the checks
+            self.fork_server.start()  # and the warm start (with world_size 0 after the plan: see _check)
         try:
             await self._check()
             if self.plan is not None:
@@ -301,8 +303,13 @@ class LocalLauncher:
             write_prompt_sets, self.run_dir / PROMPT_SETS_FILE, self.cfg.data, str(self.model_path), sets
         )  # the roles read them
         prompts = sets[0]
+        self.prompt_tokens = sum(len(p.prompt_ids) for p in prompts) / max(1, len(prompts))
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         self.plan = await asyncio.to_thread(self.make_plan)
+        if self.fork_server is not None and self.cfg.trainer.world_size == 0:
+            # Started only now: its imports would take a core from the thread scaling the plan measured.
+            self.fork_server.start()
+        self.cfg = with_planned_ranks(self.cfg, self.plan)
         check_against(self.cfg, self.model_path, sets, self.world_size if self.processes().get("trainer") else 0)
         await asyncio.to_thread(warm_start_once, self.cfg, self.model_path, prompts)
         if self.resume is not None:  # the steps after the checkpoint are trained again

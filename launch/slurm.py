@@ -409,6 +409,9 @@ def submit_main(args: argparse.Namespace) -> int:
     """``python -m launch slurm``: render the script, print it or submit it."""
     config_path, overrides = split_items(args.items)
     cfg = load_run_config(config_path, overrides)
+    if cfg.trainer.world_size == 0:
+        raise ConfigError("trainer.world_size: 0 (the plan picks the ranks) is for runs on one machine; "
+                          "under SLURM give the rank count (srun starts one task per rank)")
     run_dir: Path = args.run_dir or Path(cfg.slurm.run_root) / time.strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     script = render_script(

@@ -86,13 +86,14 @@ def splits_over(config: BufferConfig, world_size: int) -> bool:
 class Adapter:
     """The run's replanner, fed from the roles' stats and the metrics lines."""
 
-    def __init__(self, cfg: RunConfig, plan: Plan, cluster: ClusterSpec, run_dir: Path, *, switch: SwitchCosts) -> None:
+    def __init__(self, cfg: RunConfig, plan: Plan, cluster: ClusterSpec, run_dir: Path, *, switch: SwitchCosts,
+                 prompt_tokens: float | None = None) -> None:
         kind = cluster.slots[0].kind
         self.cfg = cfg
         self.path = run_dir / names.PLACEMENT
         self.replanner = Replanner(
-            plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster),
-            workload=run_workload(cfg, kind), switch=switch, margin=cfg.placement.adaptive_margin,
+            plan, cluster=cluster, sizes=run_sizes(cfg, kind), costs=run_costs(cfg, cluster, prompt_tokens=prompt_tokens),
+            workload=run_workload(cfg, kind, prompt_tokens), switch=switch, margin=cfg.placement.adaptive_margin,
             patience=cfg.placement.adaptive_patience,
             layouts=RUN_LAYOUTS if cfg.placement.adaptive_layouts and plan.layout in RUN_LAYOUTS else (plan.layout,),
             world_sizes=frozenset(n for n in range(1, len(cluster.slots) + 1) if splits_over(cfg.buffer, n)),

@@ -9,9 +9,11 @@ runs the planner; an explicit layout is placed and predicted); ``python -m launc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -57,16 +59,22 @@ def measure_peak_flops(*, device: str = "cpu", dtype: str = "bfloat16", threads:
     threads), repeated for about ``seconds`` after one warm-up. ``size`` None: 1024 on a CPU,
     8192 on a GPU, where a smaller product measures its launch and synchronisation (an H200:
     74-79 TFLOP/s in bf16 at 1024, 642-649 at 8192)."""
+    size = size or (8192 if device.startswith("cuda") else 1024)
+    return _matmul_flops((size, size, size), device=device, dtype=dtype, threads=threads, seconds=seconds)
+
+
+def _matmul_flops(shape: tuple[int, int, int], *, device: str, dtype: str, threads: int, seconds: float) -> float:
+    """FLOP/s of an [m, k] x [k, n] matmul, repeated for about ``seconds`` after one warm-up."""
     import torch
 
+    m, k, n = shape
     cuda = device.startswith("cuda")
-    size = size or (8192 if cuda else 1024)
     previous = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
         dt = getattr(torch, dtype)
-        a = torch.randn(size, size, device=device).to(dt)
-        b = torch.randn(size, size, device=device).to(dt)
+        a = torch.randn(m, k, device=device).to(dt)
+        b = torch.randn(k, n, device=device).to(dt)
         a @ b
         if cuda:
             torch.cuda.synchronize(device)
@@ -78,7 +86,65 @@ def measure_peak_flops(*, device: str = "cpu", dtype: str = "bfloat16", threads:
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
-                return 2.0 * size**3 * count / elapsed
+                return 2.0 * m * k * n * count / elapsed
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_thread_scaling(config: dict[str, Any], rows: int, length: int, decoding: int, cores: int,
+                           dtype: str = "bfloat16", seconds: float = 0.2) -> tuple[float, float]:
+    """Scaling efficiency of one process's ``cores`` threads (each added core adds this share
+    of one, in [0, 1]) in training and in generation: a forward and backward of one decoder
+    layer of the model of ``config`` (built from it, random weights, a 256-token vocabulary)
+    over ``rows`` x ``length`` tokens, and a forward of ``decoding`` sequences' next token, in
+    ``dtype``. A small model's many small operations, which threads barely speed up, say so,
+    as a big model's matmuls say the opposite. 1 and ``cores`` threads in turn, twice each,
+    the faster of each kept."""
+    if cores <= 1:
+        return 1.0, 1.0
+    return _thread_scaling_of(json.dumps(config, sort_keys=True), rows, length, decoding, cores, dtype, seconds)
+
+
+@functools.lru_cache(maxsize=8)
+def _thread_scaling_of(config_json: str, rows: int, length: int, decoding: int, cores: int, dtype: str,
+                       seconds: float) -> tuple[float, float]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads(config_json)
+    config.pop("architectures", None)
+    shape = AutoConfig.for_model(**{**config, "num_hidden_layers": 1, "vocab_size": 256,
+                                    "model_type": config.get("model_type", "llama")})
+    previous = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape).to(getattr(torch, dtype))  # type: ignore[no-untyped-call]
+    ids = torch.randint(0, 256, (max(1, rows), max(2, length)))
+    next_tokens = torch.randint(0, 256, (max(1, decoding), 1))
+
+    def train() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    def decode() -> None:
+        with torch.no_grad():
+            model(input_ids=next_tokens, use_cache=False)
+
+    def scaling(work: Callable[[], None]) -> float:
+        def rate(threads: int) -> float:
+            torch.set_num_threads(threads)
+            work()  # warm-up
+            count, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds or count == 0:
+                work()
+                count += 1
+            return count / elapsed
+
+        one = many = 0.0
+        for _ in range(2):
+            one, many = max(one, rate(1)), max(many, rate(cores))
+        return min(1.0, max(0.0, (many / one - 1.0) / (cores - 1)))
+
+    try:
+        return scaling(train), scaling(decode)
     finally:
         torch.set_num_threads(previous)
 
@@ -168,10 +234,13 @@ def run_sizes(cfg: RunConfig, kind: str) -> ModelSizes:
     )
 
 
-def run_workload(cfg: RunConfig, kind: str) -> Workload:
-    """One step of the run on slots of ``kind``, from its buffer, controller and generator configs."""
+def run_workload(cfg: RunConfig, kind: str, prompt_tokens: float | None = None) -> Workload:
+    """One step of the run on slots of ``kind``, from its buffer, controller and generator
+    configs; ``prompt_tokens``: the prompt set's mean length, when read (else 64)."""
     vllm_gpu = cfg.generator.backend == "vllm" and kind == "gpu"
     return Workload(
+        prompt_tokens=64.0 if prompt_tokens is None else prompt_tokens,
+        prompt_shared_by=cfg.buffer.group_size if cfg.trainer.share_prompt is not False else 1,
         groups_per_step=cfg.buffer.groups_per_step,
         group_size=cfg.buffer.group_size,
         max_staleness=cfg.buffer.max_staleness,
@@ -182,14 +251,16 @@ def run_workload(cfg: RunConfig, kind: str) -> Workload:
     )
 
 
-def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None) -> StageCosts:
+def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None,
+              prompt_tokens: float | None = None) -> StageCosts:
     """The run's stage costs: estimated from FLOPs at the cluster's peak, then calibrated by
     the metrics of the run in ``measured`` (a run dir) when given."""
     kind = cluster.slots[0].kind
     sizes = run_sizes(cfg, kind)
     acceptance = FILTERED_ACCEPTANCE if cfg.buffer.filter != "none" or cfg.buffer.custom_filter else 1.0
-    costs = estimate_costs(sizes=sizes, workload=run_workload(cfg, kind), kind=kind, peak_flops=cluster.peak_flops,
-                           acceptance=acceptance)
+    workload = run_workload(cfg, kind, prompt_tokens)
+    costs = estimate_costs(sizes=sizes, workload=workload, kind=kind, peak_flops=cluster.peak_flops,
+                           acceptance=acceptance, thread_scaling=_thread_scaling(cfg, cluster, workload))
     if measured is None:
         return costs
     metrics, config = measured / names.METRICS, measured / names.CONFIG
@@ -200,13 +271,30 @@ def run_costs(cfg: RunConfig, cluster: ClusterSpec, measured: Path | None = None
         past = load_run_config(config)
     except ConfigError as e:
         raise ConfigError(f"--from {measured}: its config.yaml does not load in this version of yatt ({e})") from None
-    gen_slots, train_slots = _measured_slots(measured, past, len(cluster.slots))
-    return calibrate(rows, costs, run_workload(past, kind), gen_slots=gen_slots, train_slots=train_slots)
+    gen_slots, train_slots, engines, ranks = _measured_slots(measured, past, len(cluster.slots))
+    return calibrate(rows, costs, run_workload(past, kind), gen_slots=gen_slots, train_slots=train_slots,
+                     gen_processes=engines, train_ranks=ranks)
 
 
-def _measured_slots(run_dir: Path, past: RunConfig, n: int) -> tuple[int, int]:
-    """Slots the generators and the trainer ranks of a past run computed on: from its
-    ``plan.json`` when it has one, else (a run without a plan) their threads on ``n`` cores."""
+def _thread_scaling(cfg: RunConfig, cluster: ClusterSpec, workload: Workload) -> tuple[float, float] | None:
+    """One process's thread scaling over this CPU machine's cores in training and generation,
+    measured on one decoder layer of the model (one rank's micro-batch; a step's samples
+    decoding), where the plan picks the rank count (trainer.world_size 0); None otherwise (a
+    GPU, one core, or ranks fixed by the config)."""
+    cores = len({c for s in cluster.slots for c in s.cores})
+    if cfg.trainer.world_size != 0 or cluster.slots[0].kind != "cpu" or cores <= 1:
+        return None
+    samples = workload.groups_per_step * workload.group_size
+    rows = samples // max(1, workload.micro_batches_per_step)
+    length = int(workload.prompt_tokens + 0.6 * workload.max_new_tokens)
+    return measure_thread_scaling(model_config(cfg), rows, length, min(samples, workload.max_batch_sequences), cores,
+                                  compute_dtype(cfg.model.dtype, "cpu"))
+
+
+def _measured_slots(run_dir: Path, past: RunConfig, n: int) -> tuple[int, int, int, int]:
+    """Slots the generators and the trainer ranks of a past run computed on, and how many of
+    each there were: from its ``plan.json`` when it has one, else (a run without a plan)
+    their threads on ``n`` cores."""
     path = run_dir / names.PLAN
     if path.is_file():
         assignments = json.loads(path.read_text())["assignments"]
@@ -216,14 +304,15 @@ def _measured_slots(run_dir: Path, past: RunConfig, n: int) -> tuple[int, int]:
         def slots(group: list[dict[str, Any]]) -> int:
             return n if any(not a["slots"] for a in group) else len({s for a in group for s in a["slots"]})
 
-        return slots(generators), slots(trainers)
+        return slots(generators), slots(trainers), len(generators), len(trainers)
     gens, ranks = past.run.num_generators, past.trainer.world_size
     return (min(n, gens * (past.generator.threads or max(1, n // gens))),
-            min(n, ranks * (past.trainer.threads or max(1, n // ranks))))
+            min(n, ranks * (past.trainer.threads or max(1, n // ranks))), gens, ranks)
 
 
 def plan_for_run(
-    cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts | None = None, layout: str | None = None
+    cfg: RunConfig, cluster: ClusterSpec, costs: StageCosts | None = None, layout: str | None = None,
+    prompt_tokens: float | None = None,
 ) -> Plan:
     """The run's plan for ``layout`` (None: the config's placement.layout, auto when it has
     none): ``auto`` picks the layout with the lowest predicted step time; an explicit layout is
@@ -233,11 +322,11 @@ def plan_for_run(
     if costs is None:
         if cluster.peak_flops <= 0:
             cluster = with_peak(cluster, cfg.model.dtype)
-        costs = run_costs(cfg, cluster)
+        costs = run_costs(cfg, cluster, prompt_tokens=prompt_tokens)
     if layout is None:
         layout = str(getattr(getattr(cfg, "placement", None), "layout", "auto"))
     kind = cluster.slots[0].kind
-    sizes, workload, roles = run_sizes(cfg, kind), run_workload(cfg, kind), roles_of(cfg)
+    sizes, workload, roles = run_sizes(cfg, kind), run_workload(cfg, kind, prompt_tokens), roles_of(cfg)
     if layout == "auto":
         return choose(cluster, sizes, costs, workload, roles)
     for c in candidates(cluster, sizes, costs, workload, roles):
@@ -261,11 +350,11 @@ def roles_of(cfg: RunConfig) -> Roles:
     )
 
 
-def make_plan(cfg: RunConfig, cluster: ClusterSpec) -> Plan:
+def make_plan(cfg: RunConfig, cluster: ClusterSpec, prompt_tokens: float | None = None) -> Plan:
     """The plan of ``cfg.placement.layout`` on ``cluster`` with its predicted step time:
     ``auto`` is the planner's pick; an explicit layout is placed as asked (``ConfigError``
-    when it cannot be, or does not fit in memory)."""
+    when it cannot be, or does not fit in memory). ``prompt_tokens``: the prompt set's mean length."""
     try:
-        return plan_for_run(cfg, cluster)
+        return plan_for_run(cfg, cluster, prompt_tokens=prompt_tokens)
     except LayoutError as e:
         raise ConfigError(f"placement.layout={cfg.placement.layout}: {e}") from None

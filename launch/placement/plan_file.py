@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from launch.config import RunConfig
 from yatt.placement.plan import Assignment, Plan, plan_from_json
 from yatt.runtime import run_dir as names
 
@@ -46,6 +48,14 @@ def world_size_of(plan: Plan | None, configured: int) -> int:
     ``configured`` (``trainer.world_size``; a run without a plan)."""
     ranks = len(plan.of("trainer")) if plan is not None else 0
     return ranks or configured
+
+
+def with_planned_ranks(cfg: RunConfig, plan: Plan | None) -> RunConfig:
+    """``cfg`` with ``trainer.world_size`` 0 (the plan picks) set to the plan's rank count, so
+    that the run dir's config.yaml, the roles and a resume read a number; else ``cfg``."""
+    if cfg.trainer.world_size != 0 or plan is None:
+        return cfg
+    return replace(cfg, trainer=replace(cfg.trainer, world_size=max(1, len(plan.of("trainer")))))
 
 
 def assignment_for(plan: Plan | None, role: str, index: int) -> Assignment | None:

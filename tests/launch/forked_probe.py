@@ -6,6 +6,7 @@ makes the server's interpreter shutdown last 5 s and then write that file."""
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ if __name__ == "__main__":
     print("probe started", flush=True)
     out.write_text(json.dumps({
         "argv": sys.argv, "pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(),
-        "env": os.environ.get("PROBE"), "threads": torch.get_num_threads(),
+        "env": os.environ.get("PROBE"), "threads": torch.get_num_threads(), "frozen": gc.get_freeze_count(),
     }))  # fmt: skip
     if code >= 0:
         sys.exit(code)

@@ -46,6 +46,8 @@ def test_a_forked_process_is_what_its_command_line_would_start(server: ForkServe
         assert seen["pgid"] == child.pid, "not in a session of its own: the launcher's killpg would miss its children"
         assert seen["env"] == "yes"
         assert seen["threads"] == 1, "OMP_NUM_THREADS was read in the server; the child must set it"
+        # torch's objects, made in the server, are out of the child's collections: their pages stay shared
+        assert int(str(seen["frozen"])) > 10_000, seen["frozen"]
         parent = psutil.Process(int(str(seen["ppid"])))
         assert parent.pid != os.getpid() and parent.ppid() == os.getpid(), "not forked from the server"
         ps = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(child.pid)], capture_output=True, text=True).stdout

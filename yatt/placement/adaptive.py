@@ -40,11 +40,14 @@ from yatt.placement.planner import (
     ModelSizes,
     StageCosts,
     Workload,
+    collective_time,
     in_flight,
+    pool_speedup,
     predict,
     role_options,
     speedup,
     steps_in_flight,
+    trained_tokens,
     with_gen_cost,
 )
 
@@ -132,14 +135,15 @@ def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, pla
     accepted = workload.groups_per_step * workload.group_size
     samples = accepted / times.acceptance
     tokens = samples * times.completion_mean
-    train_tokens = accepted * (workload.prompt_tokens + times.completion_mean)
+    train_tokens = trained_tokens(workload, accepted, times.completion_mean)
     costs = replace(base, completion_mean=times.completion_mean, acceptance=times.acceptance,
                     completion_p90=max(times.completion_p90, times.completion_mean))
     if times.completion_p90 > times.completion_mean and times.tail_s > 0:
         costs = replace(costs, gen_latency_s=times.tail_s / (times.completion_p90 - times.completion_mean))
     if tokens > 0 and times.generate_s > 0:
         n = max(1, slots["generate"])
-        per_token = times.generate_s * speedup(n, base.gen_scaling) / tokens
+        engines = len(plan.of("trainer")) if plan.layout == "colocated" else len(plan.of("generator"))
+        per_token = times.generate_s * pool_speedup(n, engines, base.gen_scaling, base.gen_thread_scaling) / tokens
         in_flight_now = in_flight(costs, workload, n, steps_in_flight(plan.layout, workload))
         costs = with_gen_cost(costs, workload, in_flight_now, per_token)
     if times.reward_s > 0 and samples > 0:
@@ -147,8 +151,10 @@ def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, pla
         costs = replace(costs, reward_s=times.reward_s * workers / samples)
     if times.env_s > 0 and samples > 0:
         costs = replace(costs, env_s=times.env_s / samples)
-    if train_tokens > 0 and times.train_s > base.train_fixed_s:
-        per_token = (times.train_s - base.train_fixed_s) * speedup(max(1, slots["train"]), base.train_scaling) / train_tokens
+    ranks = len(plan.of("trainer"))
+    computing = times.train_s - base.train_fixed_s - collective_time(base, ranks)
+    if train_tokens > 0 and computing > 0:
+        per_token = computing * pool_speedup(max(1, slots["train"]), ranks, base.train_scaling, base.thread_scaling) / train_tokens
         costs = replace(costs, train_token_s=per_token)
     if times.weight_sync_s > 0:
         costs = replace(costs, weight_sync_s=times.weight_sync_s)

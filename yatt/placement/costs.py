@@ -61,15 +61,22 @@ class Efficiency:
     """Seconds to put an engine to sleep and wake it again, per step."""
     rule_reward_s: float
     """Seconds per sample of a rule-based scorer (a Python function in a process pool)."""
+    collective_bytes_per_s: float = 0.0
+    """Bytes of the policy's parameters a 2-rank group's FSDP collectives get through per
+    second (counted as 2 x weight_bytes gathered and 4 reduced per parameter and micro-batch);
+    0: none counted apart (``train_scaling`` covers them)."""
 
 
 EFFICIENCY: dict[Literal["cpu", "gpu"], Efficiency] = {
     "gpu": Efficiency(decode=0.25, latency=0.01, forward=0.5, train=0.4, decode_step_s=0.003, train_fixed_s=0.05,
                       sync_bytes_per_s=5e9, sync_fixed_s=0.05, copy_bytes_per_s=50e9, wake_s=0.5, rule_reward_s=0.0005),
     "cpu": Efficiency(decode=0.1, latency=0.05, forward=0.3, train=0.3, decode_step_s=0.01, train_fixed_s=0.05,
-                      sync_bytes_per_s=1e9, sync_fixed_s=0.01, copy_bytes_per_s=5e9, wake_s=0.005, rule_reward_s=0.0005),
+                      sync_bytes_per_s=1e9, sync_fixed_s=0.01, copy_bytes_per_s=5e9, wake_s=0.005, rule_reward_s=0.0005,
+                      collective_bytes_per_s=0.7e9),
 }
-"""Efficiency factors by slot kind: first-order guesses, replaced by measured costs once a run exists."""
+"""Efficiency factors by slot kind: first-order guesses, replaced by measured costs once a run exists.
+CPU collectives: gloo between 2 ranks of one core each moved SmolLM2-135M's 2 micro-batches a
+step (2 x 8 bytes a parameter) in 3.1 s (``benchmarks stages``, 2026-12-03): ~0.7 GB/s."""
 
 
 def _int(config: Mapping[str, object], key: str, default: int | None = None) -> int:
@@ -161,11 +168,14 @@ def estimate_costs(
     peak_flops: float,
     acceptance: float = 1.0,
     efficiency: Efficiency | None = None,
+    thread_scaling: tuple[float, float] | None = None,
 ) -> StageCosts:
     """Stage costs from FLOPs when nothing was measured: 2 * params FLOPs per generated token,
     6 * params per trained token (plus 2 * reference and 6 * critic params), a reward model's
     2 * params per scored token, at the slot's ``peak_flops`` times the stated efficiencies.
-    Completions are assumed to average 0.6 * max_new_tokens with the p90 at the limit."""
+    Completions are assumed to average 0.6 * max_new_tokens with the p90 at the limit.
+    ``thread_scaling``: one process's threads over several CPU slots, in training and in
+    generation, when measured."""
     if peak_flops <= 0:
         raise ConfigError(f"peak_flops must be > 0 to estimate costs (got {peak_flops}); measure it first")
     e = efficiency or EFFICIENCY[kind]
@@ -178,6 +188,9 @@ def estimate_costs(
     else:
         reward_s = e.rule_reward_s
     engine_bytes = sizes.policy_params * sizes.weight_bytes
+    trained = sizes.policy_params + sizes.critic_params
+    collective_s = (workload.micro_batches_per_step * trained * (2 * sizes.weight_bytes + 4) / e.collective_bytes_per_s
+                    if e.collective_bytes_per_s > 0 else 0.0)
     return StageCosts(
         gen_token_s=gen_flops / (peak_flops * e.decode) + e.decode_step_s / batch,
         gen_latency_s=gen_flops / (peak_flops * e.latency) + e.decode_step_s,
@@ -189,6 +202,9 @@ def estimate_costs(
         train_fixed_s=e.train_fixed_s,
         weight_sync_s=engine_bytes / e.sync_bytes_per_s + e.sync_fixed_s,
         switch_s=engine_bytes / e.copy_bytes_per_s + e.wake_s,
+        thread_scaling=thread_scaling[0] if thread_scaling else None,
+        gen_thread_scaling=thread_scaling[1] if thread_scaling else None,
+        collective_s=collective_s,
     )
 
 
@@ -205,9 +221,12 @@ def calibrate(
     *,
     gen_slots: int,
     train_slots: int,
+    gen_processes: int = 0,
+    train_ranks: int = 0,
 ) -> StageCosts:
     """``estimate`` corrected by the metrics ``rows`` of a run with ``workload`` whose
-    generators computed on ``gen_slots`` slots and trainer ranks on ``train_slots``."""
+    generators (``gen_processes`` engines, 0: one per slot) computed on ``gen_slots`` slots
+    and trainer ranks (``train_ranks``) on ``train_slots``."""
     if len(rows) > 1:
         rows = rows[1:]
     if not rows:
@@ -226,7 +245,8 @@ def calibrate(
     switch = _median(rows, "time/switch_s")  # runs that took turns (colocated, partial)
     if switch is not None:
         costs = replace(costs, switch_s=switch)
-    gen, tail, train = stage_times(costs, workload, gen_slots=gen_slots, train_slots=train_slots)
+    gen, tail, train = stage_times(costs, workload, gen_slots=gen_slots, train_slots=train_slots,
+                                   gen_processes=gen_processes, train_ranks=train_ranks)
     measured_train = _median(rows, "time/train_s")
     if measured_train is not None and measured_train > 0 and train > 0:
         f = measured_train / train

@@ -137,7 +137,8 @@ def assign(layout: Layout, cluster: ClusterSpec, roles: Roles) -> Plan:
             layout=layout,
             assignments=tuple(_movers(roles, with_rewards=not roles.reward_engines)
                               + reward + _trainers(cluster, every, roles, shared=True, hosts=True)),
-            reason=f"{roles.trainers} trainer ranks on {len(every)} slots, each hosting a generator engine",
+            reason=(f"{roles.trainers} trainer ranks on {len(every)} slots, each hosting a generator engine"
+                    if roles.trainers > 1 else f"1 trainer rank on {len(every)} slots, hosting a generator engine"),
         )
     if layout == "partial":
         if len(every) < 2:

@@ -12,8 +12,12 @@ generators, the reward engines and the trainer ranks)::
 
     S      = groups_per_step * group_size / acceptance      samples generated
     N_gen  = S * L_mean                                      tokens generated
-    N_train = groups_per_step * group_size * (P + L_mean)    tokens trained (P: prompt)
+    N_train = groups_per_step * group_size * (P / s + L_mean)  tokens trained (P: prompt, computed once
+                                                              for s samples: a group's when shared)
     k(n, e) = 1 + (n - 1) * e                                speedup of n slots, scaling efficiency e
+    k(n, e; m) = k(m, e) * k(n / m, e_thr)                    n slots as m processes of n / m slots each
+                                                              (CPU, thread_scaling e_thr measured: one
+                                                              process's threads over its cores)
     b      = min(max_batch_sequences, S * q / n_g)           sequences a generating slot decodes at once
                                                               (q = 2 when it runs a step ahead, else 1)
     c(b)   = (gen_latency_s - p) / b + p                     slot-seconds per token at b (p: the part per
@@ -27,7 +31,9 @@ generators, the reward engines and the trainer ranks)::
                                                               added to the step on a CPU machine (they take
                                                               the cores the compute roles use), overlapped on
                                                               a GPU machine (its host cores): step = max(step, E)
-    T      = train_fixed_s + N_train * train_token_s / k(n_t, train_scaling)
+    T      = train_fixed_s + N_train * train_token_s / k(n_t, train_scaling; ranks)
+             + collective_s * 2 (ranks - 1) / ranks          FSDP's all-gathers and reduce-scatters
+                                                              (CPU: gloo; 0 with one rank)
 
     colocated      max(G + tail (+ W of engines, which share the slots), W of rule scorers)
                    + switch_s + T
@@ -127,6 +133,16 @@ class StageCosts:
     """Scaling efficiency of FSDP training across slots (all-gathers and reduce-scatters)."""
     contention: float = 0.8
     """Share of the cores that unpinned compute processes running at once get (scheduler and cache contention)."""
+    thread_scaling: float | None = None
+    """Scaling efficiency of one trainer rank's threads over the cores of its slots (each added
+    core adds this share of one), measured on a CPU on the model's layer; None: a process
+    spanning n slots counts as n slots at the stage's scaling (one process per GPU)."""
+    gen_thread_scaling: float | None = None
+    """``thread_scaling`` of a generator engine's threads (a decoding step's small products)."""
+    collective_s: float = 0.0
+    """Seconds per step of a 2-rank trainer group's FSDP collectives (parameter all-gathers,
+    gradient reduce-scatters) beyond what ``train_scaling`` covers: CPU ranks over gloo; 0
+    with one rank, 2 (r - 1) / r of it with r ranks."""
 
     def __post_init__(self) -> None:
         assert 0 < self.acceptance <= 1, f"acceptance must be in (0, 1] (got {self.acceptance})"
@@ -147,6 +163,8 @@ class Workload:
     """Longest completion (controller.max_new_tokens): sizes the KV cache."""
     prompt_tokens: float = 64.0
     """Mean prompt length in tokens (trained over, and held in the KV cache)."""
+    prompt_shared_by: int = 1
+    """Samples whose prompt the trainer computes once (trainer.share_prompt: a group's; 1: each its own)."""
     micro_batches_per_step: int = 1
     """Micro-batches each trainer rank gets per step (buffer.micro_batches_per_step)."""
     max_batch_sequences: int = 256
@@ -183,9 +201,24 @@ class Candidate:
     """Why the layout was refused (cannot be placed, or a slot's memory is short); empty: usable."""
 
 
-def speedup(slots: int, scaling: float) -> float:
+def speedup(slots: float, scaling: float) -> float:
     """k(n, e) = 1 + (n - 1) * e: the throughput of n slots in units of one."""
     return 1.0 + (slots - 1) * scaling if slots >= 1 else 0.0
+
+
+def pool_speedup(slots: int, processes: int, scaling: float, thread_scaling: float | None) -> float:
+    """The throughput of ``slots`` slots computed on by ``processes`` processes (0: one per
+    slot), in units of one slot: k(m, e) * k(n / m, e_thr) when the thread scaling is known
+    and a process spans several slots, else k(n, e)."""
+    if thread_scaling is None or processes <= 0 or processes >= slots:
+        return speedup(slots, scaling)
+    return speedup(processes, scaling) * speedup(slots / processes, thread_scaling)
+
+
+def collective_time(costs: StageCosts, ranks: int) -> float:
+    """Seconds per step of a ``ranks``-rank group's collectives beyond ``train_scaling``
+    (``collective_s`` is a 2-rank group's; a ring moves 2 (r - 1) / r of the bytes)."""
+    return costs.collective_s * 2.0 * (ranks - 1) / ranks if ranks > 1 else 0.0
 
 
 def gen_token_cost(costs: StageCosts, workload: Workload, in_flight: float) -> float:
@@ -231,19 +264,29 @@ def steps_in_flight(layout: Layout, workload: Workload) -> int:
 
 
 def stage_times(
-    costs: StageCosts, workload: Workload, *, gen_slots: int, train_slots: int, queued_steps: int = 1
+    costs: StageCosts, workload: Workload, *, gen_slots: int, train_slots: int, queued_steps: int = 1,
+    gen_processes: int = 0, train_ranks: int = 0,
 ) -> tuple[float, float, float]:
     """Seconds per step of generation at full batch (G), of its tail, and of training (T) on
-    the given slot counts; ``queued_steps`` as ``steps_in_flight`` gives it (2: generation
-    runs a step ahead)."""
+    the given slot counts, computed on by ``gen_processes`` engines and ``train_ranks`` ranks
+    (0: one per slot); ``queued_steps`` as ``steps_in_flight`` gives it (2: generation runs a
+    step ahead)."""
     accepted = workload.groups_per_step * workload.group_size
     tokens = accepted / costs.acceptance * costs.completion_mean
     per_token = gen_token_cost(costs, workload, in_flight(costs, workload, gen_slots, queued_steps))
-    gen = tokens * per_token / speedup(gen_slots, costs.gen_scaling)
+    gen = tokens * per_token / pool_speedup(gen_slots, gen_processes, costs.gen_scaling, costs.gen_thread_scaling)
     tail = max(0.0, costs.completion_p90 - costs.completion_mean) * costs.gen_latency_s
-    train_tokens = accepted * (workload.prompt_tokens + costs.completion_mean)
-    train = costs.train_fixed_s + train_tokens * costs.train_token_s / speedup(train_slots, costs.train_scaling)
+    train_tokens = trained_tokens(workload, accepted, costs.completion_mean)
+    train = (costs.train_fixed_s + collective_time(costs, train_ranks or train_slots)
+             + train_tokens * costs.train_token_s
+             / pool_speedup(train_slots, train_ranks, costs.train_scaling, costs.thread_scaling))
     return gen, tail, train
+
+
+def trained_tokens(workload: Workload, samples: float, completion_mean: float) -> float:
+    """Tokens the trainer computes for ``samples`` samples: their completions, and their prompts
+    once per ``prompt_shared_by`` samples."""
+    return samples * (workload.prompt_tokens / max(1, workload.prompt_shared_by) + completion_mean)
 
 
 def _slots_of(assignments: list[Assignment]) -> list[int]:
@@ -267,7 +310,8 @@ def predict(plan: Plan, cluster: ClusterSpec, sizes: ModelSizes, costs: StageCos
 
     samples = workload.groups_per_step * workload.group_size / costs.acceptance
     gen, tail, train = stage_times(costs, workload, gen_slots=len(gen_slots), train_slots=len(train_slots),
-                                   queued_steps=steps_in_flight(plan.layout, workload))
+                                   queued_steps=steps_in_flight(plan.layout, workload),
+                                   gen_processes=len(generators), train_ranks=len(trainers))
     engine_reward = samples * costs.reward_s / speedup(len(reward_slots), costs.gen_scaling) if engines else 0.0
     rule_reward = samples * costs.reward_s / rule_workers if rule_workers else 0.0
     sync = switch = 0.0
@@ -392,7 +436,12 @@ def ladder(most: int) -> list[int]:
 
 def role_options(layout: Layout, cluster: ClusterSpec, roles: Roles, search: bool) -> list[Roles]:
     """The role counts to try for ``layout``: ``roles`` as given, or (``search``) every split of
-    the slots between generators and trainer ranks on the ladder."""
+    the slots between generators and trainer ranks on the ladder. ``roles.trainers`` 0 (the
+    rank count left to the plan, trainer.world_size 0): a rank per trainer slot, and on a CPU
+    machine also one rank over all of them (its threads on every core, no collectives)."""
+    if roles.trainers == 0:
+        return [r for option in role_options(layout, cluster, replace(roles, trainers=len(cluster.slots)), search)
+                for r in _rank_counts(layout, cluster, option)]
     if not search:
         return [roles]
     n = len(cluster.slots)
@@ -404,6 +453,19 @@ def role_options(layout: Layout, cluster: ClusterSpec, roles: Roles, search: boo
         return [replace(roles, trainers=n, generators=g) for g in ladder(room)]
     return [replace(roles, generators=g, trainers=n - reward_slots - g * roles.tensor_parallel)
             for g in ladder(room - 1)] or [roles]
+
+
+def _rank_counts(layout: Layout, cluster: ClusterSpec, roles: Roles) -> list[Roles]:
+    """``roles`` with a rank per trainer slot (disaggregated: the slots the generators and
+    reward engines leave), and on CPU slots also with one rank spanning them."""
+    n = len(cluster.slots)
+    if layout == "disaggregated":
+        n -= roles.generators * roles.tensor_parallel + (roles.rewards if roles.reward_engines else 0)
+    ranks = max(1, n)
+    per_slot = replace(roles, trainers=ranks, generators=ranks if layout == "colocated" else roles.generators)
+    if ranks == 1 or cluster.slots[0].kind != "cpu":
+        return [per_slot]
+    return [per_slot, replace(per_slot, trainers=1, generators=1 if layout == "colocated" else roles.generators)]
 
 
 def candidates(

@@ -366,7 +366,9 @@ class TrainerConfig:
     """The FSDP2 trainer ranks."""
 
     world_size: int = 2
-    """Number of trainer ranks (processes)."""
+    """Number of trainer ranks (processes); 0: the placement plan picks (on a CPU machine, one
+    rank per core or one rank over every core, whichever it predicts faster from the model's
+    measured thread scaling and the collectives' cost; one per GPU)."""
     lr: float = 1e-5
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
@@ -421,7 +423,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         require(self.threads >= 0, "threads", f"must be >= 0, 0 for the cores / world size (got {self.threads})")
-        require(self.world_size >= 1, "world_size", f"must be >= 1 (got {self.world_size})")
+        require(self.world_size >= 0, "world_size", f"must be >= 1, or 0 for the plan's pick (got {self.world_size})")
         require(self.lr > 0, "lr", f"must be > 0 (got {self.lr})")
         require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",

@@ -122,3 +122,33 @@ def test_measure_peak_flops_and_this_machine() -> None:
     assert measure_peak_flops(size=64, seconds=0.01) > 0
     cluster = this_machine(peak_flops=5e10)
     assert len(cluster.slots) >= 1 and cluster.peak_flops == 5e10 and cluster.slots[0].memory_bytes > 0
+
+
+def test_world_size_0_is_the_plans_pick_measured_from_the_models_thread_scaling(tmp_path: Path) -> None:
+    """trainer.world_size=0: the costs carry the tiny model's measured thread scaling (its
+    small operations scale worse over threads than over processes), the plan picks the
+    ranks, and the config the roles read names the plan's count."""
+    from launch.placement.plan_file import with_planned_ranks
+
+    cfg = load_run_config(None, ["trainer.world_size=0", "buffer.filter=none"])
+    cluster = cpu_cluster([0, 1], 8 * int(GIB), peak_flops=1e11)
+    costs = run_costs(cfg, cluster)
+    assert costs.thread_scaling is not None and costs.gen_thread_scaling is not None
+    assert 0 <= costs.gen_thread_scaling <= 1 and costs.collective_s > 0
+    assert run_costs(load_run_config(None), cluster).thread_scaling is None  # ranks fixed by the config: not measured
+    plan = plan_for_run(cfg, cluster, costs)
+    ranks = len(plan.of("trainer"))
+    resolved = with_planned_ranks(cfg, plan)
+    assert ranks in (1, 2) and resolved.trainer.world_size == ranks
+    dump_run_config(resolved, tmp_path / "config.yaml")
+    assert load_run_config(tmp_path / "config.yaml").trainer.world_size == ranks
+    assert with_planned_ranks(load_run_config(None), plan).trainer.world_size == 2  # a given count stands
+    assert main(["slurm", "--nodes", "1", "trainer.world_size=0"]) == 2  # srun needs the count: one line, before submitting
+
+
+def test_the_workload_knows_the_prompts_length_and_whether_the_trainer_shares_them() -> None:
+    cfg = load_run_config(None)
+    work = run_workload(cfg, "cpu", prompt_tokens=13.0)
+    assert work.prompt_tokens == 13.0 and work.prompt_shared_by == cfg.buffer.group_size  # share_prompt auto
+    assert run_workload(load_run_config(None, ["trainer.share_prompt=false"]), "cpu").prompt_shared_by == 1
+    assert run_workload(cfg, "cpu").prompt_tokens == 64.0  # not read yet

@@ -245,3 +245,50 @@ def test_calibrate_scales_each_stage_by_measured_over_predicted() -> None:
     stale = calibrate([warmup, row], COSTS, replace(WORK, max_staleness=1), gen_slots=2, train_slots=2)
     assert stale.gen_token_s == COSTS.gen_token_s  # the wait is not the rollout when overlapped
     assert calibrate([], COSTS, WORK, gen_slots=2, train_slots=2) == COSTS
+
+
+def test_the_plan_picks_one_rank_over_every_core_when_threads_scale_and_collectives_cost() -> None:
+    """trainer.world_size 0: on a CPU machine the planner weighs a rank per core against one
+    rank over every core, from the measured thread scaling and the collectives' cost."""
+    cluster = cpu_cluster([0, 1], 24 * int(GIB), peak_flops=1e11)
+    auto = replace(ROLES, trainers=0)
+    big = replace(COSTS, thread_scaling=0.95, gen_thread_scaling=0.9, collective_s=3.0)  # a 135M model over gloo
+    small = replace(COSTS, thread_scaling=0.3, gen_thread_scaling=0.05, collective_s=0.005)  # the tiny model
+    for costs, ranks in ((big, 1), (small, 2)):
+        plan = choose(cluster, SMALL, costs, WORK, auto)
+        trainers = plan.of("trainer")
+        assert plan.layout == "colocated" and len(trainers) == ranks, (costs, plan.reason)
+        assert sum(a.threads for a in trainers) == 2 and sorted(s for a in trainers for s in a.slots) == [0, 1]
+    one = predict(assign("colocated", cluster, replace(ROLES, trainers=1, generators=1)), cluster, SMALL, big, WORK)
+    two = predict(assign("colocated", cluster, replace(ROLES, trainers=2, generators=2)), cluster, SMALL, big, WORK)
+    # T = 0.1 + 160 * 0.001 / k: one rank k(2, 0.95) = 1.95, two ranks k(2, 1.0) = 2 plus the collectives
+    assert one.stages["train"] == pytest.approx(0.1 + 0.16 / 1.95)
+    assert two.stages["train"] == pytest.approx(0.1 + 0.16 / 2 + 3.0)
+    assert one.stages["generate"] == pytest.approx(1.6 / 1.9) and two.stages["generate"] == pytest.approx(0.8)
+    # Without a measured thread scaling (a GPU, ranks fixed) a process spanning n slots counts as n.
+    assert predict(assign("colocated", cluster, replace(ROLES, trainers=1, generators=1)), cluster, SMALL, COSTS,
+                   WORK).step_s == pytest.approx(predict(assign("colocated", cluster, ROLES), cluster, SMALL, COSTS, WORK).step_s)
+    # One GPU per rank: a rank per GPU, whatever the threads.
+    colocated = next(c for c in candidates(gpus(2), SMALL, big, WORK, auto) if c.layout == "colocated")
+    assert colocated.plan is not None and [a.slots for a in colocated.plan.of("trainer")] == [(0,), (1,)]
+
+
+def test_the_estimate_counts_cpu_collectives_from_the_bytes_they_move() -> None:
+    sizes = model_sizes(SMOLLM2_135M, weight_bytes=2)
+    work = Workload(groups_per_step=4, group_size=8, max_new_tokens=16, micro_batches_per_step=2)
+    cpu = estimate_costs(sizes=sizes, workload=work, kind="cpu", peak_flops=1e11, thread_scaling=(0.9, 0.5))
+    # 2 micro-batches x 134.5M parameters x (2 x 2 gathered + 4 reduced) bytes at 0.7 GB/s: 3.07 s
+    assert cpu.collective_s == pytest.approx(2 * 134_515_008 * 8 / 0.7e9)
+    assert (cpu.thread_scaling, cpu.gen_thread_scaling) == (0.9, 0.5)
+    gpu = estimate_costs(sizes=sizes, workload=work, kind="gpu", peak_flops=1e15)
+    assert gpu.collective_s == 0 and gpu.thread_scaling is None  # train_scaling covers NCCL's
+
+
+def test_a_shared_prompt_is_trained_once_per_group() -> None:
+    cluster = cpu_cluster([0, 1], 8 * int(GIB))
+    shared = replace(WORK, prompt_shared_by=4)
+    plain = predict(assign("colocated", cluster, ROLES), cluster, SMALL, COSTS, WORK)
+    once = predict(assign("colocated", cluster, ROLES), cluster, SMALL, COSTS, shared)
+    # trained: 8 x (10 + 10) = 160 tokens; a group of 4 computing its prompt once: 8 x (10 / 4 + 10) = 100
+    assert plain.stages["train"] == pytest.approx(0.1 + 160 * 0.001 / 2)
+    assert once.stages["train"] == pytest.approx(0.1 + 100 * 0.001 / 2)

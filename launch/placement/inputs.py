@@ -133,10 +133,10 @@ def _thread_scaling_of(config_json: str, rows: int, length: int, decoding: int, 
             torch.set_num_threads(threads)
             work()  # warm-up
             count, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds or count == 0:
+            while count == 0 or time.perf_counter() - start < seconds:
                 work()
                 count += 1
-            return count / elapsed
+            return count / (time.perf_counter() - start)
 
         one = many = 0.0
         for _ in range(2):

@@ -137,7 +137,8 @@ def assert_only_the_runs_keys_reach_handlers(run_dir: Path, proc: subprocess.Pop
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     run_dir = tmp_path / "default"
-    proc = launch(run_dir, *layout_args(layout))
+    ranks = ["trainer.world_size=0"] if layout == "auto" else []  # auto: the plan picks the ranks too
+    proc = launch(run_dir, *layout_args(layout), *ranks)
     if layout == "auto":  # while it runs: only the run's own processes can talk to it
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
         assert_only_the_runs_keys_reach_handlers(run_dir, proc)
@@ -157,6 +158,9 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
         assert "exited with code" not in log and "stopped answering" not in log, log[-3000:]
     rows = metrics(run_dir)
     assert_default_job_learned(rows, run_dir)
+    if ranks:  # the plan's count, written where the roles and a resume read it
+        planned = sum(a["role"] == "trainer" for a in json.loads((run_dir / "plan.json").read_text())["assignments"])
+        assert planned >= 1 and load_run_config(run_dir / "config.yaml").trainer.world_size == planned
     # The launcher's last line: the headline, from the first evaluation to the last.
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     first, last = evals[0]["eval/reward/accuracy"], evals[-1]["eval/reward/accuracy"]

@@ -346,7 +346,7 @@ PROBE: list[tuple[list[str], str]] = [
     (["algorithm.kl_controller=adaptive"], "algorithm.kl_coef"),
     (["algorithm.overlong_buffer=64"], "algorithm.overlong_buffer"),
     (["trainer.world_size=3"], "trainer.world_size"),
-    (["trainer.world_size=0"], "trainer.world_size"),
+    (["trainer.world_size=-1"], "trainer.world_size"),
     (["trainer.schedule=cosine", "trainer.warmup_steps=90"], "trainer.warmup_steps"),
     (["trainer.warmup_steps=90"], "trainer.warmup_steps"),
     (["trainer.schedule=linear", "trainer.total_steps=20"], "trainer.total_steps"),

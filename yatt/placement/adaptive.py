@@ -41,6 +41,7 @@ from yatt.placement.planner import (
     StageCosts,
     Workload,
     collective_time,
+    engines_of,
     in_flight,
     pool_speedup,
     predict,
@@ -142,8 +143,7 @@ def costs_from_times(times: StepTimes, base: StageCosts, workload: Workload, pla
         costs = replace(costs, gen_latency_s=times.tail_s / (times.completion_p90 - times.completion_mean))
     if tokens > 0 and times.generate_s > 0:
         n = max(1, slots["generate"])
-        engines = len(plan.of("trainer")) if plan.layout == "colocated" else len(plan.of("generator"))
-        per_token = times.generate_s * pool_speedup(n, engines, base.gen_scaling, base.gen_thread_scaling) / tokens
+        per_token = times.generate_s * pool_speedup(n, len(engines_of(plan)), base.gen_scaling, base.gen_thread_scaling) / tokens
         in_flight_now = in_flight(costs, workload, n, steps_in_flight(plan.layout, workload))
         costs = with_gen_cost(costs, workload, in_flight_now, per_token)
     if times.reward_s > 0 and samples > 0:

@@ -289,6 +289,12 @@ def trained_tokens(workload: Workload, samples: float, completion_mean: float) -
     return samples * (workload.prompt_tokens / max(1, workload.prompt_shared_by) + completion_mean)
 
 
+def engines_of(plan: Plan) -> list[Assignment]:
+    """The plan's generator engines: the trainer ranks that host one (colocated), else the
+    generator processes."""
+    return [a for a in plan.of("trainer") if a.hosts_generator] or plan.of("generator")
+
+
 def _slots_of(assignments: list[Assignment]) -> list[int]:
     return sorted({s for a in assignments for s in a.slots})
 
@@ -299,8 +305,7 @@ def predict(plan: Plan, cluster: ClusterSpec, sizes: ModelSizes, costs: StageCos
     n = len(cluster.slots)
     every = list(range(n))
     trainers = plan.of("trainer")
-    hosted = [a for a in trainers if a.hosts_generator]
-    generators = hosted or plan.of("generator")
+    generators = engines_of(plan)
     engines = [a for a in plan.of("reward") if a.slots]
     rule_workers = len(plan.of("reward")) - len(engines)
     unpinned = any(not a.slots for a in trainers + generators)
@@ -385,8 +390,7 @@ def _memory(
     tokens_per_micro_batch = accepted * (workload.prompt_tokens + workload.max_new_tokens) / (
         ranks * workload.micro_batches_per_step
     )
-    hosted = [a for a in trainers if a.hosts_generator]
-    generators = hosted or plan.of("generator")
+    generators = engines_of(plan)
     in_flight = min(math.ceil(samples / max(1, len(generators))), workload.max_batch_sequences)
     kv = sizes.kv_bytes_per_token * (workload.prompt_tokens + workload.max_new_tokens) * in_flight
     for a in trainers:

@@ -121,8 +121,9 @@ def _worker(rank: int, model_dir: str, opts: Options, out: str) -> None:
 
     def micro_batch(step: int) -> MicroBatch:
         rows = batch["input_ids"].shape[0]
+        fields: dict[str, Any] = {k: v.clone() for k, v in batch.items()}
         return MicroBatch(
-            step=step, rank=0, index=0, count=1, **{k: v.clone() for k, v in batch.items()},
+            step=step, rank=0, index=0, count=1, **fields,
             policy_versions=torch.full((rows,), step, dtype=torch.int64),
             group_keys=[GroupKey(epoch=0, shard=0, prompt_index=r // opts.samples) for r in range(rows)],
         )  # fmt: skip

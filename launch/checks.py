@@ -219,7 +219,7 @@ def _check_episodes(cfg: RunConfig, model: dict[str, Any], model_path: Path) -> 
 
     from yatt.rl.agents.render import Renderer, self_check
 
-    positions = model.get("max_position_embeddings")
+    positions = _text(model).get("max_position_embeddings")
     context = episode_context(cfg, positions if isinstance(positions, int) else None)
     if cfg.env.max_total_tokens > context:
         source = "generator.vllm_max_model_len" if context != positions else f"max_position_embeddings in {model_path}/config.json"
@@ -229,6 +229,12 @@ def _check_episodes(cfg: RunConfig, model: dict[str, Any], model_path: Path) -> 
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     self_check(Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path)))
+
+
+def _text(model: dict[str, Any]) -> dict[str, Any]:
+    """config.json's language model part: a multimodal model's text_config, else itself."""
+    text = model.get("text_config")
+    return text if isinstance(text, dict) else model
 
 
 def _vocab_size(model: dict[str, Any]) -> int | None:
@@ -278,7 +284,7 @@ def _check_ranks(buffer: BufferConfig, ranks: int, configured: int) -> None:
 def _check_lengths(cfg: RunConfig, model: dict[str, Any], prompt_sets: tuple[list[Prompt], list[Prompt]]) -> None:
     """The longest prompt and its completion fit the positions the generator serves (its
     engine refuses each longer request: workers/engines/base.py ``validate_requests``)."""
-    positions = model.get("max_position_embeddings")
+    positions = _text(model).get("max_position_embeddings")
     limit, source = (positions, "the model's max_position_embeddings") if isinstance(positions, int) else (None, "")
     if cfg.generator.backend == "vllm" and (limit is None or cfg.generator.vllm_max_model_len < limit):
         limit, source = cfg.generator.vllm_max_model_len, "generator.vllm_max_model_len"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.config import RunConfig
-from launch.placement.inputs import BUILTIN_TINY
+from launch.placement.inputs import BUILTIN_TINY, TINY_VLM
 from yatt.errors import ConfigError, storage_error
 from yatt.runtime import run_dir as names
 from yatt.runtime.transport import KEY_FILES, make_curve_keys
@@ -131,8 +131,13 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
         exported = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
         with writing(exported):
             return export_smollm2(exported)
+    if cfg.model.path == TINY_VLM:
+        from workers.models import build_tiny_vlm
+
+        with writing(run_dir / "model"):
+            return build_tiny_vlm(run_dir / "model", seed=cfg.run.seed)
     if cfg.model.path.startswith("builtin:"):
-        raise ConfigError(f"model.path {cfg.model.path!r}: the only built-in model is builtin:smollm2")
+        raise ConfigError(f"model.path {cfg.model.path!r}: the built-in models are builtin:smollm2 and {TINY_VLM}")
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
@@ -167,7 +172,7 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
     from workers.models import WARM_START_FILE, warm_start
 
     steps = cfg.model.warm_start_steps
-    if steps and cfg.model.path:
+    if steps and cfg.model.path not in ("", TINY_VLM):
         print(f"yatt: model.warm_start_steps={steps} warms the built-in tiny model only; {cfg.model.path} is used as it is", flush=True)
         return
     if not steps or (model_path / WARM_START_FILE).exists():
@@ -182,6 +187,7 @@ def warm_start_once(cfg: RunConfig, model_path: Path, prompts: list[Prompt]) -> 
     with writing(model_path):
         done = warm_start(
             model_path, [(p.prompt_ids, p.metadata["answer"]) for p in prompts if p.index not in shown],
+            mm_inputs=[p.mm_inputs for p in prompts if p.index not in shown],
             rows=[row for rows in shown.values() for row in rows], steps=steps, lr=cfg.model.warm_start_lr, seed=cfg.run.seed,
         )
     what = "answers" if not shown else "demonstrated episodes" if len(shown) == len(prompts) else f"answers ({len(shown)}: demonstrated episodes)"

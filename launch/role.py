@@ -194,7 +194,7 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | Ag
     renderer = Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path))
     self_check(renderer)
     model = AutoConfig.from_pretrained(model_path)
-    context = episode_context(cfg, getattr(model, "max_position_embeddings", None))
+    context = episode_context(cfg, getattr(model.get_text_config(), "max_position_embeddings", None))
     eos = model.eos_token_id if isinstance(model.eos_token_id, list) else [model.eos_token_id]
     decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731
     eos_ids = {int(i) for i in [*eos, tokenizer.eos_token_id] if i is not None}

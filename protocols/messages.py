@@ -109,6 +109,10 @@ class GenerateRequest(Message):
     n: int
     sampling: SamplingParams
     min_policy_version: int = 0  # the generator waits until it holds at least this version
+    # A prompt with images: the processor's outputs beside prompt_ids, by the model's argument
+    # name (pixel_values [images, 3, H, W] or [patches, D] float32, image_grid_thw [images, 3]
+    # int64, ...), first dimension per image or patch; empty for text (yatt.rl.data.Prompt.mm_inputs).
+    mm_inputs: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +179,7 @@ class ScoredGroup(Message):
     episodes: list[EpisodeInfo] = field(default_factory=list)  # n, how each episode went
     token_advantages: list[Tensor] = field(default_factory=list)  # n x [L_i] float32, per token (credit per turn); empty: ``advantages``
     forked: list[ForkedRow] = field(default_factory=list)  # more rows of the samples: agent calls that did not extend their row
+    mm_inputs: dict[str, Tensor] = field(default_factory=dict)  # the prompt's images, processed (GenerateRequest.mm_inputs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,6 +334,10 @@ class MicroBatch(Message):
     advantages: Tensor  # [B, T] float32
     policy_versions: Tensor  # [B] int64
     group_keys: list[GroupKey]  # B, the group of each row
+    # The rows' images, processed (ScoredGroup.mm_inputs), each name's tensors concatenated
+    # over the rows in row order (a row repeats its prompt's), as a processor batches them;
+    # the model matches them to the image placeholder tokens of input_ids in that order.
+    mm_inputs: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

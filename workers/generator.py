@@ -140,7 +140,8 @@ class Generator(Actor):
         if not batch:
             return
         requests = [
-            PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling) for msg, _ in batch
+            PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling, mm_inputs=msg.mm_inputs)
+            for msg, _ in batch
         ]
         failed: Exception | None = None
         async with self._engine_lock:

@@ -21,22 +21,31 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 
-def peft_config(config: LoRAConfig) -> LoraConfig:
+VISION_MODULES = r".*\.(vision_tower|visual|vision_model)\..*"
+"""A vision-language model's image encoder's modules (LLaVA's ``vision_tower``, Qwen2-VL's
+``visual``): LoRA leaves them out, as it adapts the language model only."""
+
+
+def peft_config(config: LoRAConfig, *, vision_language: bool = False) -> LoraConfig:
     """peft's ``LoraConfig`` of ``config``: what the trainer wraps with and what an adapter
-    directory's ``adapter_config.json`` holds."""
+    directory's ``adapter_config.json`` holds. ``vision_language``: the model has a vision
+    tower, whose layers (CLIP's q_proj, ...) get no adapters."""
     from peft import LoraConfig
 
     return LoraConfig(
-        r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules), lora_dropout=0.0, bias="none"
-    )
+        r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules), lora_dropout=0.0, bias="none",
+        exclude_modules=VISION_MODULES if vision_language else None,
+    )  # fmt: skip
 
 
 def with_lora(model: PreTrainedModel, config: LoRAConfig) -> Any:
-    """``model`` wrapped in peft's LoRA of ``config`` (a ``PeftModelForCausalLM``)."""
+    """``model`` wrapped in peft's LoRA of ``config`` (a ``PeftModelForCausalLM``); a
+    vision-language model's language model only."""
     from peft import get_peft_model
 
+    vision_language = getattr(model.config, "vision_config", None) is not None
     try:
-        return get_peft_model(model, peft_config(config))
+        return get_peft_model(model, peft_config(config, vision_language=vision_language))
     except ValueError as e:
         raise ConfigError(f"model.lora.target_modules = {config.target_modules}: {e}") from None
 

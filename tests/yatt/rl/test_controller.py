@@ -79,7 +79,9 @@ class ScriptedEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise AssertionError("no weights are pushed here")
 
-    def sequence_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    def sequence_logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], mm_inputs: dict[str, torch.Tensor] | None = None
+    ) -> list[float]:
         raise AssertionError("not used")
 
     def sleep(self) -> None:

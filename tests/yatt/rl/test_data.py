@@ -328,7 +328,7 @@ def test_addition_reward(completion: str, expected: float) -> None:
     ("data", "message"),
     [
         ({"source": "jsonl"}, r"^data\.path is required for source jsonl"),
-        ({"task": "sums"}, r"^data\.task must be a built-in task: one of addition, calculator, digits, guess, repeated \(got 'sums'\)"),
+        ({"task": "sums"}, r"^data\.task must be a built-in task: one of addition, calculator, count_red, digits, guess, repeated \(got 'sums'\)"),
         ({"source": "reasoning_gym", "task": ""}, r"^data\.task is required for source reasoning_gym"),
         ({"num_prompts": -1}, r"^data\.num_prompts must be >= 0 \(got -1\)"),
         ({"max_prompt_tokens": -2}, r"^data\.max_prompt_tokens must be >= 0"),

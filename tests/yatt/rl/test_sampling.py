@@ -252,6 +252,14 @@ def test_a_forked_row_that_does_not_fit_its_group_is_refused_naming_it() -> None
         validate_group(dataclasses.replace(group, forked=[short]), 2)
 
 
+def test_images_that_cannot_feed_a_model_are_refused_naming_the_tensor() -> None:
+    group = make_group(GroupKey(epoch=0, shard=0, prompt_index=1, attempt=0), 0)
+    validate_group(dataclasses.replace(group, mm_inputs={"pixel_values": torch.zeros(1, 3, 4, 4)}), 2)
+    for bad in (torch.zeros(0, 3, 4, 4), torch.tensor(1.0), torch.full((1, 3, 4, 4), float("nan"))):
+        with pytest.raises(ProtocolError, match=r"mm_inputs\['pixel_values'\] must be finite, with a first dimension"):
+            validate_group(dataclasses.replace(group, mm_inputs={"pixel_values": bad}), 2)
+
+
 STATE = (
     "cursor", "step", "wave_index", "version", "ema", "dispatch_end", "attempts", "stats", "version_ceiling",
     "settled", "skipped_settled",

@@ -1,0 +1,198 @@
+"""Prompts with images through the engine, the wire, the buffer and the trainer.
+
+A tiny LLaVA (``workers.models.build_tiny_vlm``) and its processor make two prompts with
+an image each; the transformers engine samples them, the buffer puts the groups into a
+micro-batch, and a trainer rank (a real gloo process group of one) recomputes the
+log-probs the engine reported and takes a step with the vision tower frozen.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from transformers import AutoProcessor
+
+from protocols.codec import decode, encode
+from protocols.messages import GenerateRequest, GroupKey, MicroBatch, SamplingParams, ScoredGroup
+from tests.workers.test_trainer import spawn
+from workers.engines.base import PromptRequest
+from workers.engines.hf import HFEngine
+from workers.lora import is_adapter, with_lora
+from workers.models import build_tiny_vlm, load_model
+from workers.trainer import Trainer
+from yatt.errors import ProtocolError
+from yatt.rl.config import (
+    AlgorithmConfig,
+    BufferConfig,
+    GeneratorConfig,
+    LoRAConfig,
+    ModelConfig,
+    TrainerConfig,
+)
+from yatt.rl.ledger import Ledger
+from yatt.rl.sampling import SamplingBuffer
+
+Prompt = tuple[list[int], dict[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model")
+
+
+def image_prompt(model_dir: Path, colour: str, question: str = "How many red squares?") -> Prompt:
+    """A chat prompt with one image (a square of ``colour``), through the model's processor."""
+    processor = AutoProcessor.from_pretrained(model_dir)  # type: ignore[no-untyped-call]
+    image = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(image).rectangle((6, 6, 24, 24), fill=colour)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out = processor(text=[text], images=[image], return_tensors="pt")
+    return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"]}
+
+
+def sampled(model_dir: Path, prompts: list[Prompt], n: int) -> list[list[Any]]:
+    engine = HFEngine(str(model_dir), GeneratorConfig(), dtype="float32")
+    requests = [
+        PromptRequest(prompt_ids=ids, n=n, sampling=SamplingParams(max_new_tokens=6, seed=i), mm_inputs=mm)
+        for i, (ids, mm) in enumerate(prompts)
+    ]
+    return engine.generate(requests)
+
+
+def scored_group(index: int, prompt: Prompt, samples: list[Any]) -> ScoredGroup:
+    ids, mm = prompt
+    n = len(samples)
+    return ScoredGroup(
+        group_key=GroupKey(epoch=0, shard=0, prompt_index=index),
+        prompt_ids=torch.tensor(ids, dtype=torch.int32),
+        completion_ids=[torch.tensor(s.token_ids, dtype=torch.int32) for s in samples],
+        rollout_logprobs=[torch.tensor(s.logprobs, dtype=torch.float32) for s in samples],
+        rewards=torch.arange(n, dtype=torch.float32),
+        advantages=torch.linspace(-1, 1, n),
+        policy_versions=torch.zeros(n, dtype=torch.int64),
+        finish_reasons=[s.finish_reason for s in samples],
+        mm_inputs=mm,
+    )
+
+
+def test_the_image_changes_what_the_engine_samples_and_its_log_probs(vlm_dir: Path) -> None:
+    red, blue = image_prompt(vlm_dir, "red"), image_prompt(vlm_dir, "blue")
+    assert red[0] == blue[0]  # the same tokens: only the pixels differ
+    engine = HFEngine(str(vlm_dir), GeneratorConfig(), dtype="float32")
+    sample = sampled(vlm_dir, [red], 1)[0][0]
+    on_red = engine.sequence_logprobs(red[0], sample.token_ids, red[1])
+    assert on_red == pytest.approx(sample.logprobs, abs=1e-5)
+    on_blue = engine.sequence_logprobs(red[0], sample.token_ids, blue[1])
+    assert max(abs(a - b) for a, b in zip(on_red, on_blue, strict=True)) > 1e-4
+
+
+def test_the_engine_never_samples_an_image_placeholder_even_where_it_is_likeliest(vlm_dir: Path) -> None:
+    red = image_prompt(vlm_dir, "red")
+    engine = HFEngine(str(vlm_dir), GeneratorConfig(), dtype="float32")
+    image_token = engine._model.config.image_token_id
+    # The raw logits favour the placeholder by far at every position.
+    engine._model.lm_head.register_forward_hook(lambda module, args, out: out.index_add(-1, torch.tensor([image_token]), torch.full((*out.shape[:-1], 1), 50.0)))
+    for greedy in (False, True):
+        sampling = SamplingParams(max_new_tokens=6, seed=3, temperature=0.0 if greedy else 1.0)
+        (samples,) = engine.generate([PromptRequest(prompt_ids=red[0], n=4, sampling=sampling, mm_inputs=red[1])])
+        assert all(image_token not in s.token_ids for s in samples)
+        for s in samples:  # the log-probs are those of the distribution sampled, which the trainer recomputes
+            assert s.logprobs == pytest.approx(engine.sequence_logprobs(red[0], s.token_ids, red[1]), abs=1e-5)
+            assert all(lp > -20 for lp in s.logprobs)
+
+
+def test_a_text_engine_refuses_images_by_name(tiny_model_dir: Path, vlm_dir: Path) -> None:
+    ids, mm = image_prompt(vlm_dir, "red")
+    engine = HFEngine(str(tiny_model_dir), GeneratorConfig(), dtype="float32")
+    with pytest.raises(ProtocolError, match=r"requests\[0\] carries images .* text model"):
+        engine.generate([PromptRequest(prompt_ids=[1, 2, 3], n=1, sampling=SamplingParams(max_new_tokens=2), mm_inputs=mm)])
+
+
+def test_pixel_values_cross_the_wire_as_their_own_frame_without_pickle(vlm_dir: Path) -> None:
+    ids, mm = image_prompt(vlm_dir, "red")
+    msg = GenerateRequest(
+        group_key=GroupKey(epoch=0, shard=0, prompt_index=0), prompt_ids=torch.tensor(ids, dtype=torch.int32), n=2,
+        sampling=SamplingParams(), mm_inputs=mm,
+    )  # fmt: skip
+    frames = encode(msg)
+    pixels = mm["pixel_values"]
+    # Zero-copy: one frame is a view of the pixel tensor's own memory.
+    views = [f for f in frames[2:] if isinstance(f, memoryview) and f.nbytes == pixels.numel() * 4]
+    assert len(views) == 1 and bytes(views[0]) == pixels.numpy().tobytes()
+    assert b"pickle" not in bytes(frames[1]) and b"\x80\x04" not in bytes(frames[1])  # the header: plain msgpack
+    back = decode([bytes(f) for f in frames])
+    assert isinstance(back, GenerateRequest)
+    assert torch.equal(back.mm_inputs["pixel_values"], pixels) and back.mm_inputs["pixel_values"].shape == (1, 3, 56, 56)
+
+
+def test_a_micro_batch_carries_each_rows_images_in_row_order(vlm_dir: Path) -> None:
+    red, blue = image_prompt(vlm_dir, "red"), image_prompt(vlm_dir, "blue")
+    samples = sampled(vlm_dir, [red, blue], 2)
+    (mb,) = one_micro_batch([scored_group(0, red, samples[0]), scored_group(1, blue, samples[1])])
+    pixels = mb.mm_inputs["pixel_values"]
+    assert pixels.shape == (4, 3, 56, 56)
+    for row, key in enumerate(mb.group_keys):
+        assert torch.equal(pixels[row], (red if key.prompt_index == 0 else blue)[1]["pixel_values"][0])
+
+
+def one_micro_batch(groups: list[ScoredGroup]) -> list[MicroBatch]:
+    """The buffer's micro-batches of ``groups`` for one rank (its own assembly, no ledger needed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        buffer = SamplingBuffer(
+            BufferConfig(filter="none"), num_prompts=len(groups), num_shards=1, world_size=1, seed=0,
+            ledger=Ledger(Path(tmp) / "ledger.db"),
+        )  # fmt: skip
+        return buffer._split(groups, step=0, index=0)
+
+
+def _train_with_images(rank: int, model_dir: str, out: str, train_vision: bool) -> None:
+    red, blue = image_prompt(Path(model_dir), "red"), image_prompt(Path(model_dir), "blue")
+    samples = sampled(Path(model_dir), [red, blue], 2)
+    (mb,) = one_micro_batch([scored_group(0, red, samples[0]), scored_group(1, blue, samples[1])])
+    model = ModelConfig(dtype="float32", train_vision=train_vision)
+    trainer = Trainer(model, TrainerConfig(lr=1e-3, grad_clip=0.0), AlgorithmConfig(), model_path=model_dir)
+    before = {n: p.detach().full_tensor().clone() for n, p in trainer.policy.named_parameters()}  # type: ignore[attr-defined]
+    logprobs = trainer.logprobs(mb.input_ids, mb.attention_mask, mb.mm_inputs)
+    no_images = trainer.logprobs(mb.input_ids, mb.attention_mask)
+    metrics = trainer.train_step([mb])
+    after = {n: p.detach().full_tensor() for n, p in trainer.policy.named_parameters()}  # type: ignore[attr-defined]
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    torch.save({"mb": mb, "logprobs": logprobs, "no_images": no_images, "metrics": metrics, "moved": moved}, out)
+
+
+def train_with_images(model_dir: Path, *, train_vision: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "out.pt")
+        spawn(_train_with_images, 1, str(model_dir), out, train_vision)
+        result: dict[str, Any] = torch.load(out, weights_only=False)
+        return result
+
+
+def test_the_trainer_recomputes_the_engines_log_probs_with_the_images(vlm_dir: Path) -> None:
+    r = train_with_images(vlm_dir, train_vision=False)
+    mb, logprobs = r["mb"], r["logprobs"]
+    mask = mb.loss_mask
+    torch.testing.assert_close(logprobs[mask], mb.rollout_logprobs[mask], rtol=1e-5, atol=1e-5)
+    assert (r["no_images"][mask] - logprobs[mask]).abs().max() > 1e-4  # the images were read
+    assert r["metrics"]["grad_norm"] > 0
+    # The vision tower stays frozen; the projector and the language model train.
+    assert r["moved"] and not any(".vision_tower." in n for n in r["moved"])
+    assert any(".multi_modal_projector." in n for n in r["moved"]) and "lm_head.weight" in r["moved"]
+
+
+def test_train_vision_trains_the_vision_tower_too(vlm_dir: Path) -> None:
+    r = train_with_images(vlm_dir, train_vision=True)
+    assert any(".vision_tower." in n for n in r["moved"])
+
+
+def test_lora_adapts_the_language_model_and_leaves_the_vision_tower_alone(vlm_dir: Path) -> None:
+    wrapped = with_lora(load_model(vlm_dir), LoRAConfig(rank=4))
+    adapters = [name for name, _ in wrapped.named_parameters() if is_adapter(name)]
+    assert len(adapters) == 2 * 2 * 4  # 2 layers x q, k, v, o x (A, B)
+    assert all(".language_model." in name for name in adapters), adapters

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "agents": "benchmarks.agents",
     "endpoint": "benchmarks.endpoint",
     "training": "benchmarks.training",
+    "vlm": "benchmarks.vlm",
 }
 
 

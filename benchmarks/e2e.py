@@ -26,7 +26,7 @@ threads its plan assigns.
 
 Both jobs train on the ``digits`` task with its partial-credit reward
 (``yatt.rl.tasks:digits_reward``, ``data.task=digits`` and ``reward.scorers`` set for yatt;
-``_unmatchable`` refuses any other reward), whatever task the default job has (since
+``unmatchable`` refuses any other reward), whatever task the default job has (since
 2026-12-06 the ``repeated`` task, exact match: from a model without a warm start its reward
 is 0 and nothing is learnt; the e2e figures of 2026-12-06 before this was pinned had yatt at
 0.000 -> 0.000 and are void).
@@ -44,7 +44,7 @@ sizes=[tiny,smollm2]``): SmolLM2-135M-Instruct (``export_smollm2``) on the same 
 yatt or TRL run on this 2-core machine (the tiny job: about 2), so 5 runs x 2 repeats
 per size with the defaults. The latest figures are in benchmarks/README.md.
 
-Matched settings (checked against both codebases; ``_unmatchable`` refuses a yatt config
+Matched settings (checked against both codebases; ``unmatchable`` refuses a yatt config
 that TRL could not follow):
 
     yatt (run config)                         TRL (GRPOConfig)
@@ -256,15 +256,16 @@ def _model_dir(size: Size, scratch: Path) -> Path:
     return build_tiny_model(scratch / "tiny", seed=0) if size == "tiny" else export_smollm2(SMOLLM2_DIR)
 
 
-def _compute_dtype(cfg: RunConfig) -> str:
+def compute_dtype_of(cfg: RunConfig) -> str:
     """What yatt computes in on this machine's CPU (the trainer's and engines' resolution)."""
     from launch.placement.inputs import compute_dtype
 
     return compute_dtype(cfg.model.dtype, "cpu")
 
 
-def _unmatchable(cfg: RunConfig) -> list[str]:
-    """Settings of a yatt config that the TRL job does not reproduce (must be none)."""
+def unmatchable(cfg: RunConfig, reward: str = DIGITS) -> list[str]:
+    """Settings of a yatt config that the TRL job does not reproduce (must be none);
+    ``reward``: the one custom scorer TRL's reward function is (``TrlSpec.task``'s)."""
     a, t, c, b = cfg.algorithm, cfg.trainer, cfg.controller, cfg.buffer
     wanted: list[tuple[str, object, object]] = [
         ("algorithm.advantage", a.advantage, "grpo"),
@@ -286,9 +287,9 @@ def _unmatchable(cfg: RunConfig) -> list[str]:
     ]
     problems = [f"{name} = {got!r} (TRL job needs {want!r})" for name, got, want in wanted if got != want]
     scorers = [(s.kind, s.function, s.weight) for s in cfg.reward.scorers]
-    if scorers != [("custom", DIGITS, 1.0)]:  # TRL's reward function is this one
-        problems.append(f"reward.scorers = {scorers} (TRL job needs [('custom', {DIGITS!r}, 1.0)])")
-    dtype = _compute_dtype(cfg)
+    if scorers != [("custom", reward, 1.0)]:  # TRL's reward function is this one
+        problems.append(f"reward.scorers = {scorers} (TRL job needs [('custom', {reward!r}, 1.0)])")
+    dtype = compute_dtype_of(cfg)
     if dtype not in ("float32", "bfloat16"):  # TRL on CPU: float32, or bf16 autocast
         problems.append(f"model.dtype = {cfg.model.dtype!r} computes in {dtype} (TRL job needs float32 or bfloat16)")
     return problems
@@ -301,7 +302,7 @@ def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> tuple[TrlSpec, f
 
     from yatt.rl.data import load_prompts
 
-    problems = _unmatchable(cfg)
+    problems = unmatchable(cfg)
     if problems:
         raise RuntimeError("the TRL job cannot match this yatt config: " + "; ".join(problems))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -336,7 +337,7 @@ def _trl_spec(cfg: RunConfig, model_dir: Path, threads: int) -> tuple[TrlSpec, f
         steps=cfg.run.steps,
         seed=cfg.run.seed,
         threads=threads,
-        bf16=_compute_dtype(cfg) == "bfloat16",
+        bf16=compute_dtype_of(cfg) == "bfloat16",
     )
     return spec, statistics.fmean(lengths)
 
@@ -359,7 +360,8 @@ def training_flops(steps: Sequence[Mapping[str, float]], *, params: int, prompt_
 class Job:
     """One size's job, as both frameworks run it."""
 
-    size: Size
+    size: str
+    """The job's name in figures and notes (tiny, smollm2; vlm: benchmarks/vlm.py)."""
     overrides: list[str]
     """yatt's items (without placement.layout)."""
     spec: TrlSpec
@@ -478,8 +480,10 @@ def _time_to_reward_ratio(yatt: Side, trl: Side) -> float | None:
     return None if yatt_time is None else trl_time / yatt_time
 
 
-def _measure(size: Size, steps: int, opts: Options, scratch: Path, peak_flops: float, result: Result) -> None:
-    job = _job(size, steps, opts, scratch)
+def measure(job: Job, opts: Options, scratch: Path, peak_flops: float, result: Result) -> None:
+    """Every layout of ``opts`` and TRL on ``job``, ``opts.repeats`` rounds: the figures and
+    ratios into ``result``, by ``job.size``."""
+    size, steps = job.size, job.spec.steps
     order: list[Layout | Literal["trl"]] = [*opts.layouts, "trl"]
     yatt: dict[Layout, list[Side]] = {layout: [] for layout in opts.layouts}
     trl: list[Side] = []
@@ -535,7 +539,7 @@ def _measure(size: Size, steps: int, opts: Options, scratch: Path, peak_flops: f
         f"{size}: {spec.prompts_per_step} prompts x {spec.group_size} completions per step, "
         f"<= {spec.max_new_tokens} new tokens, lr {spec.lr:g}, {steps} steps, "
         f"{'bfloat16' if spec.bf16 else 'float32'} compute, {job.params:,} parameters, mean prompt "
-        f"{job.prompt_tokens:.1f} tokens; yatt overrides: {' '.join(JOBS[size])}; memory read per run: "
+        f"{job.prompt_tokens:.1f} tokens; yatt items: {' '.join(job.overrides)}; memory read per run: "
         + ", ".join(samples)
     )
 
@@ -552,7 +556,7 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
     with tempfile.TemporaryDirectory(prefix="yatt-e2e-") as scratch:
         for size in opts.sizes:
             steps = opts.tiny_steps if size == "tiny" else opts.smollm2_steps
-            _measure(size, steps, opts, Path(scratch), peak_flops, result)
+            measure(_job(size, steps, opts, Path(scratch)), opts, Path(scratch), peak_flops, result)
     sequence = " ".join([*opts.layouts, "TRL"])
     result.notes += [
         "yatt: buffer, reward, 2 controllers, 2 FSDP2 trainer ranks and, unless colocated, a generator "

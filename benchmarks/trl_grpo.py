@@ -43,11 +43,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from yatt.rl.tasks import digits_reward
+from yatt.rl.tasks import TASKS, digits_reward
 from yatt.runtime import run_dir as names
 from yatt.runtime.configtools import build
 
@@ -82,6 +83,13 @@ class TrlSpec:
     bf16: bool = False
     """Compute in bfloat16 (autocast over float32 weights), as yatt does when its model.dtype
     resolves to bfloat16."""
+    task: str = "digits"
+    """The built-in task (yatt.rl.tasks.TASKS) whose reward scores the completions."""
+    image_metadata: list[dict[str, str]] = field(default_factory=list)
+    """A visual task's job (benchmarks/vlm.py): each prompt's metadata, from which the task
+    redraws its pictures (``Task.images``); ``prompts`` are then the question texts, which
+    TRL gets as a user message of an image part and the text, with the model's processor
+    (``processing_class``), as its VLM recipes have them."""
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -90,6 +98,21 @@ class TrlSpec:
 def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
     """yatt's digits reward in TRL's reward-function form (dataset columns as keyword lists)."""
     return [digits_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+
+def task_reward(task: str) -> Callable[..., list[float | None]]:
+    """The reward of yatt's built-in ``task`` in TRL's form; a conversational completion
+    (a visual job's: a list of one assistant message) is scored on its text."""
+    if task == "digits":
+        return reward
+    score = TASKS[task].reward
+
+    def reward_of(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
+        texts = [c if isinstance(c, str) else str(c[0]["content"]) for c in completions]
+        return [score("", text, {"answer": a}) for text, a in zip(texts, answer, strict=True)]
+
+    reward_of.__name__ = "reward"  # TRL logs rewards/<name>/mean
+    return reward_of
 
 
 def grpo_config(spec: TrlSpec, out_dir: Path) -> Any:
@@ -194,13 +217,26 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
                 f.write(json.dumps(line) + "\n")
 
     config = grpo_config(spec, out_dir)
-    dataset = Dataset.from_dict({"prompt": spec.prompts, "answer": spec.answers})
+    if spec.image_metadata:  # a visual task: conversational prompts with their images, and the processor
+        from transformers import AutoProcessor
+
+        draw = TASKS[spec.task].images
+        assert draw is not None, f"task {spec.task} draws no images"
+        dataset = Dataset.from_dict({
+            "prompt": [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": p}]}] for p in spec.prompts],
+            "images": [draw(m) for m in spec.image_metadata],
+            "answer": spec.answers,
+        })  # fmt: skip
+        processing: Any = AutoProcessor.from_pretrained(spec.model_dir)  # type: ignore[no-untyped-call]
+    else:
+        dataset = Dataset.from_dict({"prompt": spec.prompts, "answer": spec.answers})
+        processing = AutoTokenizer.from_pretrained(spec.model_dir)
     trainer = TimedGRPOTrainer(
         model=spec.model_dir,
-        reward_funcs=reward,
+        reward_funcs=task_reward(spec.task),
         args=config,
         train_dataset=dataset,
-        processing_class=AutoTokenizer.from_pretrained(spec.model_dir),
+        processing_class=processing,
         callbacks=[StepMetrics()],
     )
     trainer.train()

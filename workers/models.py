@@ -18,6 +18,7 @@ model hub, so this module makes the models they use from local parts only:
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -208,6 +209,26 @@ def placeholder_token_ids(config: Any) -> list[int]:
     names = ("image_token_id", "image_token_index", "video_token_id")
     ids = {getattr(config, name, None) for name in names}
     return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def takes_modality_types(model: Any) -> bool:
+    """Whether the model's forward reads ``mm_token_type_ids`` (Qwen2-VL's and its
+    successors' 3D rope: which tokens are image or video placeholders); peft's wrapper seen
+    through."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return "mm_token_type_ids" in inspect.signature(type(base).forward).parameters
+
+
+def modality_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``mm_token_type_ids`` of ``input_ids`` [B, T], as a processor makes them: 0 on text, 1
+    on image placeholders, 2 on video ones (``create_mm_token_type_ids``), from the ids alone,
+    so they need not travel beside them."""
+    types = torch.zeros_like(input_ids)
+    for name, kind in (("image_token_id", 1), ("image_token_index", 1), ("video_token_id", 2)):
+        token = getattr(config, name, None)
+        if isinstance(token, int) and token >= 0:
+            types = types.masked_fill(input_ids == token, kind)
+    return types
 
 
 NEVER_SAMPLED = -1e9

@@ -127,7 +127,14 @@ from transformers import (
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
-from workers.models import NEVER_SAMPLED, is_vision_language, load_model, placeholder_token_ids
+from workers.models import (
+    NEVER_SAMPLED,
+    is_vision_language,
+    load_model,
+    modality_types,
+    placeholder_token_ids,
+    takes_modality_types,
+)
 from workers.packing import Layout, forward_flops, pack, padding_problem, plan, share_prompts, unpack
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
 from yatt.rl import rl_math
@@ -188,6 +195,7 @@ class Trainer:
         self._lora = model.lora if model.lora.rank else None
         policy = _load(load_model, model_path)
         self.vision = is_vision_language(policy.config)
+        self._typed = self.vision and takes_modality_types(policy)  # Qwen2-VL: mm_token_type_ids with the images
         never = placeholder_token_ids(policy.config)  # a VLM's image tokens, which engines never sample
         self._never = torch.tensor(never, device=self.device) if never else None
         if self.vision and algorithm.advantage == "gae":
@@ -454,7 +462,8 @@ class Trainer:
         ``workers.packing``), else padded as given (the map is the identity)."""
         ids, attention = b.ids, b.attention
         if b.mm:  # images: the padded batch (a model's image positions, e.g. Qwen2-VL's 3D rope, come from it)
-            logits = module(input_ids=ids, attention_mask=attention, use_cache=False, **b.mm).logits
+            types = {"mm_token_type_ids": modality_types(self.policy.config, ids)} if self._typed else {}
+            logits = module(input_ids=ids, attention_mask=attention, use_cache=False, **b.mm, **types).logits
             return self._without_placeholders(logits), ids, lambda x: x
         layout = self._shared_layout(b)
         if layout is not None:

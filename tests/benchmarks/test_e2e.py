@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from benchmarks.__main__ import main
-from benchmarks.e2e import JOBS, _trl_spec, _unmatchable, training_flops
+from benchmarks.e2e import JOBS, _trl_spec, training_flops, unmatchable
 from benchmarks.jobs import moving_average, reward_at, run_monitored, time_to_reward, training
 from launch.config import load_run_config
 from launch.placement.inputs import compute_dtype
@@ -82,19 +82,19 @@ def test_training_flops_count_prompt_and_completion_tokens_of_every_sample() -> 
 def test_the_trl_job_computes_in_yatt_s_dtype(tiny_model_dir: Path) -> None:
     items = [f"model.path={tiny_model_dir}", "run.steps=3", *JOBS["tiny"]]
     cfg = load_run_config(None, items)
-    assert _unmatchable(cfg) == []
+    assert unmatchable(cfg) == []
     spec, prompt_tokens = _trl_spec(cfg, tiny_model_dir, threads=1)
     assert spec.bf16 == (compute_dtype("auto", "cpu") == "bfloat16")
     assert spec.steps == 3 and spec.group_size == 8 and spec.prompts_per_step == 8
     assert 5 < prompt_tokens < 100
     assert not _trl_spec(load_run_config(None, [*items, "model.dtype=float32"]), tiny_model_dir, threads=1)[0].bf16
-    problems = _unmatchable(load_run_config(None, [*items, "model.dtype=float16", "buffer.filter=all_equal"]))
+    problems = unmatchable(load_run_config(None, [*items, "model.dtype=float16", "buffer.filter=all_equal"]))
     assert len(problems) == 2
     assert any("model.dtype = 'float16' computes in float16" in p for p in problems)
     # TRL scores with the digits reward: a job on another reward (the default job's) is refused.
     assert cfg.data.task == "digits"
     other = "reward.scorers=[{kind: custom, function: 'yatt.rl.tasks:repeated_reward'}]"
-    [problem] = _unmatchable(load_run_config(None, [*items, "data.task=repeated", other]))
+    [problem] = unmatchable(load_run_config(None, [*items, "data.task=repeated", other]))
     assert problem.startswith("reward.scorers = [('custom', 'yatt.rl.tasks:repeated_reward', 1.0)] (TRL job needs")
 
 
@@ -214,3 +214,19 @@ def test_staleness_quick_measures_each_bound(tmp_path: Path) -> None:
     plot = data["plots"]["reward"]
     assert (tmp_path / plot["png"]).stat().st_size > 0
     assert [s["label"] for s in plot["series"]] == ["max_staleness=0", "max_staleness=2"]
+
+
+@pytest.mark.slow
+def test_vlm_quick_measures_yatt_and_trl_on_the_same_pictures(tmp_path: Path) -> None:
+    data = run_quick("vlm", tmp_path)  # the vision example's job, 4 steps, placement auto, 1 repeat
+    figures, ratios = data["figures"], data["ratios"]
+    assert {f"vlm_{side}_samples_per_s" for side in ("yatt_auto", "trl")} <= set(figures)
+    assert set(ratios) == {f"vlm_auto_{r}_vs_trl" for r in ("samples_per_s", "time_to_reward", "memory")}
+    _finite(data)
+    for side in ("yatt_auto", "trl"):  # 4 steps of 16 pictures x 8 answers each
+        samples = figures[f"vlm_{side}_samples_per_s"] * figures[f"vlm_{side}_training_s"]
+        assert samples == pytest.approx(4 * 128)
+        assert figures[f"vlm_{side}_peak_memory_mb"] > 0
+    assert ratios["vlm_auto_memory_vs_trl"] == pytest.approx(
+        figures["vlm_yatt_auto_peak_memory_mb"] / figures["vlm_trl_peak_memory_mb"]
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from tests.workers.test_trainer import spawn
 from workers.engines.base import PromptRequest
 from workers.engines.hf import HFEngine
 from workers.lora import is_adapter, with_lora
-from workers.models import build_tiny_vlm, load_model
+from workers.models import build_tiny_vlm, build_tokenizer, load_model
 from workers.trainer import Trainer
 from yatt.errors import ProtocolError
 from yatt.rl.config import (
@@ -189,6 +189,80 @@ def test_the_trainer_recomputes_the_engines_log_probs_with_the_images(vlm_dir: P
 def test_train_vision_trains_the_vision_tower_too(vlm_dir: Path) -> None:
     r = train_with_images(vlm_dir, train_vision=True)
     assert any(".vision_tower." in n for n in r["moved"])
+
+
+# ---------------------------------------------------------------- a second family: Qwen2-VL
+
+QWEN_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def build_tiny_qwen2_vl(out: Path) -> Path:
+    """A tiny Qwen2-VL (its processor needs torchvision, absent here: prompts are made by
+    ``qwen_prompt`` from its PIL image processor, as Qwen2VLProcessor would make them)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL})
+    start, end, image, video = cast(list[int], tokenizer.convert_tokens_to_ids(QWEN_SPECIAL))
+    special = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512, **special,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},  # 3D rope: 16 = head_dim / 2
+    )  # fmt: skip
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, vision_start_token_id=start, vision_end_token_id=end,
+        image_token_id=image, video_token_id=video, tie_word_embeddings=False,
+    )  # fmt: skip
+    for name, value in special.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(out)  # type: ignore[no-untyped-call]
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def qwen_prompt(model_dir: Path, colour: str, question: str) -> Prompt:
+    """A prompt with one 56x56 image: Qwen2-VL's patches [16, 1176], its grid [1, 3], and
+    its 4 merged placeholder tokens between the vision start and end tokens."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start, end, image_token, _ = cast(list[int], tokenizer.convert_tokens_to_ids(QWEN_SPECIAL))
+    image = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(image).rectangle((6, 6, 24, 24), fill=colour)
+    out = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[image], return_tensors="pt")
+    placeholders = int(out["image_grid_thw"].prod()) // 4  # merge 2 x 2
+    ids = [
+        *tokenizer("<|user|>", add_special_tokens=False)["input_ids"], start, *[image_token] * placeholders, end,
+        *tokenizer(question + "\n<|assistant|>", add_special_tokens=False)["input_ids"],
+    ]  # fmt: skip
+    return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def _qwen_logprobs(rank: int, model_dir: str, out: str) -> None:
+    red, blue = qwen_prompt(Path(model_dir), "red", "How many?"), qwen_prompt(Path(model_dir), "blue", "How many red squares are there?")
+    samples = sampled(Path(model_dir), [red, blue], 2)
+    (mb,) = one_micro_batch([scored_group(0, red, samples[0]), scored_group(1, blue, samples[1])])
+    trainer = Trainer(ModelConfig(dtype="float32"), TrainerConfig(lr=1e-3, grad_clip=0.0), AlgorithmConfig(), model_path=model_dir)
+    torch.save({"mb": mb, "logprobs": trainer.logprobs(mb.input_ids, mb.attention_mask, mb.mm_inputs),
+                "metrics": trainer.train_step([mb])}, out)  # fmt: skip
+
+
+def test_qwen2_vl_patches_and_grids_agree_between_engine_and_trainer(tmp_path: Path) -> None:
+    """Two mm_inputs per prompt (patches, grid), prompts of different lengths (left-padded in
+    the engine, right-padded in the trainer), 3D rope positions from mm_token_type_ids."""
+    model_dir = build_tiny_qwen2_vl(tmp_path / "qwen2-vl")
+    out = str(tmp_path / "out.pt")
+    spawn(_qwen_logprobs, 1, str(model_dir), out)
+    r = torch.load(out, weights_only=False)
+    mb = r["mb"]
+    assert mb.mm_inputs["pixel_values"].shape == (4 * 16, 1176) and mb.mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]] * 4
+    mask = mb.loss_mask
+    torch.testing.assert_close(r["logprobs"][mask], mb.rollout_logprobs[mask], rtol=1e-5, atol=1e-5)
+    assert r["metrics"]["grad_norm"] > 0
 
 
 def test_lora_adapts_the_language_model_and_leaves_the_vision_tower_alone(vlm_dir: Path) -> None:

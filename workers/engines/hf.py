@@ -44,7 +44,14 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import is_adapter, with_lora
-from workers.models import NEVER_SAMPLED, is_vision_language, load_model, placeholder_token_ids
+from workers.models import (
+    NEVER_SAMPLED,
+    is_vision_language,
+    load_model,
+    modality_types,
+    placeholder_token_ids,
+    takes_modality_types,
+)
 from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
 
@@ -168,6 +175,7 @@ class HFEngine:
         self._max_len: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._vision = is_vision_language(model.config)
         self._never = placeholder_token_ids(model.config)  # a VLM's image tokens: never sampled
+        self._typed = self._vision and takes_modality_types(model)  # Qwen2-VL: mm_token_type_ids with the images
         self._seeds = random.Random(config.seed)
         self.prompt_tokens_saved = 0  # prompt tokens not prefilled again for a request's other samples
 
@@ -240,6 +248,8 @@ class HFEngine:
         # The rows' images in row order (each of a request's rows repeats its prompt's), as a
         # processor batches them; with images every row prefills (the model merges them there).
         mm = _rows_mm_inputs([r.mm_inputs for r in requests], rows, self._device)
+        if mm and self._typed:
+            mm["mm_token_type_ids"] = modality_types(model.config, input_ids)
         shared = None if mm else self._shared_prefill(input_ids, attention_mask, first_row, rows)
         out = model.generate(
             input_ids=input_ids,
@@ -351,6 +361,8 @@ class HFEngine:
             return []
         ids = torch.tensor([prompt_ids + completion_ids], dtype=torch.long, device=self._device)  # [1, T]
         mm = {name: t.to(self._device) for name, t in (mm_inputs or {}).items()}
+        if mm and self._typed:
+            mm["mm_token_type_ids"] = modality_types(model.config, ids)
         logits: torch.Tensor = model(input_ids=ids, **mm).logits[0, len(prompt_ids) - 1 : -1].float()  # [L, V]
         logits = self._without_placeholders(logits)
         targets = ids[0, len(prompt_ids) :].unsqueeze(1)  # [L, 1]

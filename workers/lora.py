@@ -43,9 +43,10 @@ def with_lora(model: PreTrainedModel, config: LoRAConfig) -> Any:
     vision-language model's language model only."""
     from peft import get_peft_model
 
-    vision_language = getattr(model.config, "vision_config", None) is not None
+    from workers.models import is_vision_language
+
     try:
-        return get_peft_model(model, peft_config(config, vision_language=vision_language))
+        return get_peft_model(model, peft_config(config, vision_language=is_vision_language(model.config)))
     except ValueError as e:
         raise ConfigError(f"model.lora.target_modules = {config.target_modules}: {e}") from None
 

@@ -198,6 +198,17 @@ def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+_PLACEHOLDERS = (("image_token_id", 1), ("image_token_index", 1), ("video_token_id", 2))
+"""A VLM config's placeholder token fields and the modality each stands for
+(``mm_token_type_ids``: 1 image, 2 video)."""
+
+
+def _placeholders(config: Any) -> list[tuple[int, int]]:
+    """(token id, modality) of each placeholder ``config`` names."""
+    named = ((getattr(config, name, None), kind) for name, kind in _PLACEHOLDERS)
+    return [(token, kind) for token, kind in named if isinstance(token, int) and token >= 0]
+
+
 def placeholder_token_ids(config: Any) -> list[int]:
     """The token ids that stand for image (and video) features in a vision-language
     model's input (LLaVA's ``image_token_id``, Qwen2-VL's ``image_token_id`` and
@@ -206,9 +217,7 @@ def placeholder_token_ids(config: Any) -> list[int]:
     log-probs leave them out of the distribution too)."""
     if not is_vision_language(config):
         return []
-    names = ("image_token_id", "image_token_index", "video_token_id")
-    ids = {getattr(config, name, None) for name in names}
-    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+    return sorted({token for token, _ in _placeholders(config)})
 
 
 def takes_modality_types(model: Any) -> bool:
@@ -224,16 +233,23 @@ def modality_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
     on image placeholders, 2 on video ones (``create_mm_token_type_ids``), from the ids alone,
     so they need not travel beside them."""
     types = torch.zeros_like(input_ids)
-    for name, kind in (("image_token_id", 1), ("image_token_index", 1), ("video_token_id", 2)):
-        token = getattr(config, name, None)
-        if isinstance(token, int) and token >= 0:
-            types = types.masked_fill(input_ids == token, kind)
+    for token, kind in _placeholders(config):
+        types = types.masked_fill(input_ids == token, kind)
     return types
 
 
 NEVER_SAMPLED = -1e9
 """The logit a placeholder token gets (``placeholder_token_ids``) in engines and trainer alike:
 exp() of it is 0, and unlike -inf it keeps an entropy (p log p) finite."""
+
+
+def without_placeholders(logits: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` [..., V] with ``token_ids`` (``placeholder_token_ids``, on the logits'
+    device) at ``NEVER_SAMPLED``: the distribution engines sample from and the trainer
+    recomputes; as they are for None (a text model) or a critic's values (V = 1)."""
+    if token_ids is None or logits.shape[-1] == 1:
+        return logits
+    return logits.index_fill(-1, token_ids, NEVER_SAMPLED)
 
 
 def load_model(path: str | Path, **kwargs: Any) -> PreTrainedModel:

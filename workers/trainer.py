@@ -128,12 +128,12 @@ from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
 from workers.models import (
-    NEVER_SAMPLED,
     is_vision_language,
     load_model,
     modality_types,
     placeholder_token_ids,
     takes_modality_types,
+    without_placeholders,
 )
 from workers.packing import Layout, forward_flops, pack, padding_problem, plan, share_prompts, unpack
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
@@ -464,7 +464,7 @@ class Trainer:
         if b.mm:  # images: the padded batch (a model's image positions, e.g. Qwen2-VL's 3D rope, come from it)
             types = {"mm_token_type_ids": modality_types(self.policy.config, ids)} if self._typed else {}
             logits = module(input_ids=ids, attention_mask=attention, use_cache=False, **b.mm, **types).logits
-            return self._without_placeholders(logits), ids, lambda x: x
+            return without_placeholders(logits, self._never), ids, lambda x: x
         layout = self._shared_layout(b)
         if layout is not None:
             logits = module(
@@ -473,23 +473,15 @@ class Trainer:
                 position_ids=layout.position_ids,
                 use_cache=False,
             ).logits
-            return self._without_placeholders(logits), layout.input_ids, layout.back
+            return without_placeholders(logits, self._never), layout.input_ids, layout.back
         if not self._config.pack:
             logits = module(input_ids=ids, attention_mask=attention, use_cache=False).logits
-            return self._without_placeholders(logits), ids, lambda x: x
+            return without_placeholders(logits, self._never), ids, lambda x: x
         packing = plan(attention)
         packed = pack(ids, packing)  # [1, N]
         # No attention mask: transformers reads the restarting positions as sequence bounds.
         logits = module(input_ids=packed, position_ids=packing.position_ids, use_cache=False).logits
-        return self._without_placeholders(logits), packed, lambda x: unpack(x, packing, shifted=True)
-
-    def _without_placeholders(self, logits: Tensor) -> Tensor:
-        """A VLM policy's logits [R, S, V] with its image placeholder tokens at
-        ``NEVER_SAMPLED``, as the engines sample (``workers.models.placeholder_token_ids``);
-        a critic's values [R, S, 1] and a text model's logits as they are."""
-        if self._never is None or logits.shape[-1] == 1:
-            return logits
-        return logits.index_fill(-1, self._never, NEVER_SAMPLED)
+        return without_placeholders(logits, self._never), packed, lambda x: unpack(x, packing, shifted=True)
 
     def _shared_layout(self, b: _Batch) -> Layout | None:
         """The batch's shared-prompt layout, chosen once per batch: always with

@@ -45,12 +45,12 @@ from workers.engines.base import (
 )
 from workers.lora import is_adapter, with_lora
 from workers.models import (
-    NEVER_SAMPLED,
     is_vision_language,
     load_model,
     modality_types,
     placeholder_token_ids,
     takes_modality_types,
+    without_placeholders,
 )
 from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
@@ -97,11 +97,11 @@ class _Never(LogitsProcessor):
     """A vision-language model's image placeholder tokens are never sampled
     (``workers.models.placeholder_token_ids``): their scores go to ``NEVER_SAMPLED``."""
 
-    def __init__(self, token_ids: list[int]) -> None:
+    def __init__(self, token_ids: torch.Tensor) -> None:
         self._ids = token_ids
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return cast(torch.FloatTensor, scores.index_fill(-1, torch.tensor(self._ids, device=scores.device), NEVER_SAMPLED))
+        return cast(torch.FloatTensor, without_placeholders(scores, self._ids))
 
 
 def _rows_mm_inputs(per_request: list[dict[str, torch.Tensor]], rows: list[int], device: torch.device) -> dict[str, torch.Tensor]:
@@ -174,7 +174,8 @@ class HFEngine:
         self._names = WeightNames(model)
         self._max_len: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._vision = is_vision_language(model.config)
-        self._never = placeholder_token_ids(model.config)  # a VLM's image tokens: never sampled
+        never = placeholder_token_ids(model.config)  # a VLM's image tokens: never sampled
+        self._never = torch.tensor(never, device=self._device) if never else None
         self._typed = self._vision and takes_modality_types(model)  # Qwen2-VL: mm_token_type_ids with the images
         self._seeds = random.Random(config.seed)
         self.prompt_tokens_saved = 0  # prompt tokens not prefilled again for a request's other samples
@@ -233,7 +234,7 @@ class HFEngine:
             output_logits=True,
             stop_strings=list(sp.stop) or None,
         )
-        processors = LogitsProcessorList([_Never(self._never)] if self._never else [])
+        processors = LogitsProcessorList([_Never(self._never)] if self._never is not None else [])
         if not greedy:
             processors.append(
                 _RowSampler(
@@ -267,7 +268,7 @@ class HFEngine:
         temperature = 1.0 if greedy else sp.temperature
         logprobs = torch.stack(
             [
-                torch.log_softmax(self._without_placeholders(step_logits.float()) / temperature, dim=-1)
+                torch.log_softmax(without_placeholders(step_logits.float(), self._never) / temperature, dim=-1)
                 .gather(1, new_tokens[:, t : t + 1])
                 .squeeze(1)  # [R]
                 for t, step_logits in enumerate(out.logits)  # L x [R, V] raw logits
@@ -314,13 +315,6 @@ class HFEngine:
         cache.reorder_cache(torch.repeat_interleave(torch.arange(len(rows), device=ids.device), torch.tensor(rows, device=ids.device)))
         return cache
 
-    def _without_placeholders(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [..., V] with a VLM's placeholder tokens at ``NEVER_SAMPLED``: the
-        distribution the samples are drawn from (``_Never``), which the trainer recomputes."""
-        if not self._never:
-            return logits
-        return logits.index_fill(-1, torch.tensor(self._never, device=logits.device), NEVER_SAMPLED)
-
     def _stop_tokenizer(self) -> Any:
         """The model's tokenizer, which stop strings need (transformers' ``StopStringCriteria``)."""
         if self._tokenizer is None:
@@ -364,7 +358,7 @@ class HFEngine:
         if mm and self._typed:
             mm["mm_token_type_ids"] = modality_types(model.config, ids)
         logits: torch.Tensor = model(input_ids=ids, **mm).logits[0, len(prompt_ids) - 1 : -1].float()  # [L, V]
-        logits = self._without_placeholders(logits)
+        logits = without_placeholders(logits, self._never)
         targets = ids[0, len(prompt_ids) :].unsqueeze(1)  # [L, 1]
         logprobs: list[float] = torch.log_softmax(logits, dim=-1).gather(1, targets).squeeze(1).cpu().tolist()
         return logprobs

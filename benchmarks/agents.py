@@ -183,10 +183,10 @@ async def one_mode(
             env: Any = SlowGuess(8, latencies(opts, i))
             if mode == "env_role":
                 env = RemoteEnv(directory, name=key.as_str(), timeout_s=60.0, wait_s=60.0)
-            prompt = await runner.start(env, seed=i, row={}, prompt_ids=[])
+            prompt, _ = await runner.start(env, seed=i, row={}, prompt_ids=[])
             turns = 0
 
-            async def generate(ids: list[int], budget: int) -> Completion:
+            async def generate(ids: list[int], budget: int, _images: object = None) -> Completion:
                 nonlocal turns
                 if barrier is not None:
                     await barrier.wait()

@@ -184,6 +184,7 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | Ag
     from transformers import AutoConfig, AutoTokenizer
 
     from launch.checks import episode_context
+    from workers.models import is_vision_language
     from yatt.rl.agents.client import AgentRunner
     from yatt.rl.agents.endpoint import Endpoint
     from yatt.rl.agents.envs import env_factory
@@ -191,9 +192,14 @@ def episode_runner(cfg: RunConfig, model_path: Path) -> tuple[EpisodeRunner | Ag
     from yatt.rl.agents.render import Renderer, self_check
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    renderer = Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path))
-    self_check(renderer)
     model = AutoConfig.from_pretrained(model_path)
+    processor = None
+    if is_vision_language(model):  # (observations may hold images: its processor expands them)
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_path)  # type: ignore[no-untyped-call]
+    renderer = Renderer(tokenizer, protocol=cfg.env.render_protocol, name=str(model_path), processor=processor)
+    self_check(renderer)
     context = episode_context(cfg, getattr(model.get_text_config(), "max_position_embeddings", None))
     eos = model.eos_token_id if isinstance(model.eos_token_id, list) else [model.eos_token_id]
     decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))  # noqa: E731

@@ -180,6 +180,9 @@ class ScoredGroup(Message):
     token_advantages: list[Tensor] = field(default_factory=list)  # n x [L_i] float32, per token (credit per turn); empty: ``advantages``
     forked: list[ForkedRow] = field(default_factory=list)  # more rows of the samples: agent calls that did not extend their row
     mm_inputs: dict[str, Tensor] = field(default_factory=dict)  # the prompt's images, processed (GenerateRequest.mm_inputs)
+    # n (or empty): each sample's images after its prompt's (an environment's observations),
+    # processed; the sample's row holds their placeholders after the prompt's.
+    sample_mm_inputs: list[dict[str, Tensor]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +235,7 @@ class TurnRecord(Message):
     ended: str = ""  # how the episode ended at this turn; "": it goes on
     detail: str = ""  # the error that ended it, one line
     env_state: bytes = b""  # the environment's snapshot() after this turn's step (b"": none)
+    obs_images: list[bytes] = field(default_factory=list)  # the observation's images, encoded, in order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +282,7 @@ class EnvReply(Message):
 
     episode: str
     messages: list[dict[str, str]] = field(default_factory=list)  # the observation, as chat messages
+    images: list[bytes] = field(default_factory=list)  # its image parts' encoded images, in order (yatt.rl.agents.envs.to_wire)
     reward: float | None = None
     terminated: bool = False
     truncated: bool = False

@@ -48,7 +48,16 @@ from typing import Any
 from setproctitle import getproctitle, setproctitle
 
 from protocols.messages import EnvCall, EnvReply, Message, Metrics, Query
-from yatt.rl.agents.envs import EnvFactory, EnvFailed, call, env_factory, messages_of, supports_snapshots
+from yatt.rl.agents.envs import (
+    EnvFactory,
+    EnvFailed,
+    call,
+    env_factory,
+    messages_of,
+    normalized,
+    supports_snapshots,
+    to_wire,
+)
 from yatt.rl.agents.hosted import agent_factory
 from yatt.rl.config import EnvConfig
 from yatt.runtime.actor import Actor, handles
@@ -142,11 +151,11 @@ async def _answer(env: Any, method: str, args: dict[str, Any]) -> dict[str, Any]
     if method == "reset":
         obs, info = await call(env.reset, seed=args["seed"], options={"row": args["row"]})
         tools = info.get("tools") if isinstance(info, dict) else None
-        return {"messages": _messages(obs), "tools_json": json.dumps(tools) if tools else "", "snapshots": supports_snapshots(env)}
+        return {**_observation(obs), "tools_json": json.dumps(tools) if tools else "", "snapshots": supports_snapshots(env)}
     if method == "step":
         obs, reward, terminated, truncated, info = await call(env.step, args["action"])
         return {
-            "messages": _messages(obs), "reward": None if reward is None else float(reward),
+            **_observation(obs), "reward": None if reward is None else float(reward),
             "terminated": bool(terminated), "truncated": bool(truncated),
             "tool_errors": int(info.get("tool_errors", 0)) if isinstance(info, dict) else 0,
         }  # fmt: skip
@@ -164,14 +173,11 @@ async def _answer(env: Any, method: str, args: dict[str, Any]) -> dict[str, Any]
     return {}
 
 
-def _messages(obs: Any) -> list[dict[str, str]]:
-    """An observation as chat messages of text (what crosses to the controller)."""
-    messages = messages_of(obs)
-    for m in messages:
-        bad = {k: type(v).__name__ for k, v in m.items() if not isinstance(v, str)}
-        if bad:
-            raise TypeError(f"an observation's message holds text only (got {bad} in {m!r:.200})")
-    return messages
+def _observation(obs: Any) -> dict[str, Any]:
+    """An observation as the reply carries it to the controller: chat messages (text, or
+    parts as JSON) and their images' bytes (``yatt.rl.agents.envs.to_wire``)."""
+    messages, images = to_wire(normalized(messages_of(obs)))
+    return {"messages": messages, "images": images}
 
 
 # ------------------------------------------------------------------ the worker's side

@@ -1,9 +1,11 @@
-"""The vision-language example (examples/vlm_count.yaml) as a user runs it: images drawn
-with PIL go through the processor, the engines and the trainer, and GRPO raises the tiny
-LLaVA's held-out accuracy at counting red squares."""
+"""The vision-language examples as a user runs them: images drawn with PIL go through the
+processor, the engines and the trainer, and GRPO raises the tiny LLaVA's held-out accuracy
+at counting red squares (examples/vlm_count.yaml); an environment's observations carry
+pictures between turns (examples/vlm_agent.yaml)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,20 @@ def test_the_vlm_example_learns_to_count_from_the_pixels(tmp_path: Path) -> None
     for prompt in [*sets[0], *sets[1]]:
         assert prompt.mm_inputs["pixel_values"].shape == (1, 3, 56, 56) and prompt.prompt_ids.count(image_token) == 64
     assert (run_dir / "final" / "processor_config.json").exists()  # the export is a loadable VLM directory
+
+
+def test_an_environment_shows_the_policy_pictures_between_turns(tmp_path: Path) -> None:
+    """examples/vlm_agent.yaml for a few steps: CountRed, hosted in the env role, answers a
+    wrong count with a second picture; its images cross to the controllers as bytes, are
+    expanded into the row's placeholders and trained with the row (the loop, not learning)."""
+    run_dir = tmp_path / "vlm-agent"
+    items = ["run.steps=2", "run.eval_every=0", "model.warm_start_steps=10", "buffer.filter=none"]
+    finish(launch_run(run_dir, [str(ROOT / "examples" / "vlm_agent.yaml"), *items]), run_dir)
+    assert (run_dir / "logs" / "env-0.log").exists()  # (the environment ran in the env role)
+    rows = metrics(run_dir)
+    assert [int(r["step"]) for r in rows] == [0, 1] and all(r["episode/turns/mean"] > 1 for r in rows)
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    shown = [r for r in rollouts if len(r["turns"]) == 2]
+    assert shown and all("Here are the red ones alone" in r["turns"][0]["observation"] for r in shown)
+    # The second picture's 64 placeholder tokens are in the trained row (the text is ~20 tokens).
+    assert all(r["length"] > 64 for r in shown)

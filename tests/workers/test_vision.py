@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 import torch
 from PIL import Image, ImageDraw
-from transformers import AutoProcessor
+from transformers import AutoProcessor, AutoTokenizer
 
 from protocols.codec import decode, encode
 from protocols.messages import GenerateRequest, GroupKey, MicroBatch, SamplingParams, ScoredGroup
@@ -26,6 +26,8 @@ from workers.lora import is_adapter, with_lora
 from workers.models import build_tiny_vlm, build_tokenizer, load_model
 from workers.trainer import Trainer
 from yatt.errors import ProtocolError
+from yatt.rl.agents.envs import images_of, normalized
+from yatt.rl.agents.render import Renderer
 from yatt.rl.config import (
     AlgorithmConfig,
     BufferConfig,
@@ -34,6 +36,7 @@ from yatt.rl.config import (
     ModelConfig,
     TrainerConfig,
 )
+from yatt.rl.controller import tensors
 from yatt.rl.ledger import Ledger
 from yatt.rl.sampling import SamplingBuffer
 
@@ -189,6 +192,85 @@ def test_the_trainer_recomputes_the_engines_log_probs_with_the_images(vlm_dir: P
 def test_train_vision_trains_the_vision_tower_too(vlm_dir: Path) -> None:
     r = train_with_images(vlm_dir, train_vision=True)
     assert any(".vision_tower." in n for n in r["moved"])
+
+
+# ---------------------------------------------------------------- images in observations
+
+
+def episode_group(model_dir: Path) -> ScoredGroup:
+    """Two episodes of one prompt (a red square), each shown a picture of its own after its
+    first turn (blue, green), both turns sampled by the engine with every image before them."""
+    processor = AutoProcessor.from_pretrained(model_dir)  # type: ignore[no-untyped-call]
+    r = Renderer(AutoTokenizer.from_pretrained(model_dir), processor=processor, name="tiny-vlm")
+    first = normalized([{"role": "user", "content": [{"type": "image", "image": square("red")}, {"type": "text", "text": "Count."}]}])
+    prompt_ids, prompt_mm = r.prompt(first), tensors(r.pixels(images_of(first)))
+    engine = HFEngine(str(model_dir), GeneratorConfig(), dtype="float32")
+
+    def turn(ids: list[int], mm: dict[str, torch.Tensor], seed: int) -> Any:
+        sampling = SamplingParams(max_new_tokens=4, seed=seed)
+        return engine.generate([PromptRequest(prompt_ids=ids, n=1, sampling=sampling, mm_inputs=mm)])[0][0]
+
+    completions, masks, logprobs, observed = [], [], [], []
+    for i, colour in enumerate(("blue", "green")):
+        one = turn(prompt_ids, prompt_mm, seed=i)
+        obs = normalized([{"role": "user", "content": [{"type": "image", "image": square(colour)}, {"type": "text", "text": "Now?"}]}])
+        obs_ids, obs_mm = r.observation(obs, ended_with_eos=False), tensors(r.pixels(images_of(obs)))
+        assert obs_ids.count(processor.image_token_id) == 64
+        both = {"pixel_values": torch.cat([prompt_mm["pixel_values"], obs_mm["pixel_values"]])}
+        two = turn(prompt_ids + one.token_ids + obs_ids, both, seed=10 + i)
+        completions.append(one.token_ids + obs_ids + two.token_ids)
+        masks.append([True] * len(one.token_ids) + [False] * len(obs_ids) + [True] * len(two.token_ids))
+        logprobs.append(one.logprobs + [0.0] * len(obs_ids) + two.logprobs)
+        observed.append(obs_mm)
+    return ScoredGroup(
+        group_key=GroupKey(epoch=0, shard=0, prompt_index=0), prompt_ids=torch.tensor(prompt_ids, dtype=torch.int32),
+        completion_ids=[torch.tensor(c, dtype=torch.int32) for c in completions],
+        rollout_logprobs=[torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
+        rewards=torch.tensor([0.0, 1.0]), advantages=torch.tensor([-1.0, 1.0]), policy_versions=torch.zeros(2, dtype=torch.int64),
+        finish_reasons=["stop", "stop"], completion_masks=[torch.tensor(m) for m in masks],
+        token_versions=[torch.zeros(len(c), dtype=torch.int64) for c in completions],
+        mm_inputs=prompt_mm, sample_mm_inputs=observed,
+    )  # fmt: skip
+
+
+def square(colour: str) -> Image.Image:
+    image = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(image).rectangle((6, 6, 24, 24), fill=colour)
+    return image
+
+
+def _train_episodes(rank: int, model_dir: str, out: str) -> None:
+    group = episode_group(Path(model_dir))
+    (mb,) = one_micro_batch([group])
+    trainer = Trainer(ModelConfig(dtype="float32"), TrainerConfig(lr=1e-3, grad_clip=0.0), AlgorithmConfig(), model_path=model_dir)
+    logprobs = trainer.logprobs(mb.input_ids, mb.attention_mask, mb.mm_inputs)
+    swapped = {"pixel_values": mb.mm_inputs["pixel_values"][[0, 2, 1, 3]]}  # (each row's prompt image after its observation's)
+    torch.save({"group": group, "mb": mb, "logprobs": logprobs, "swapped": trainer.logprobs(mb.input_ids, mb.attention_mask, swapped)}, out)
+
+
+def test_an_episodes_observation_images_reach_the_trainer_after_its_prompts_in_row_order(vlm_dir: Path, tmp_path: Path) -> None:
+    """The trainer recomputes both turns' log-probs of each episode (the second sampled with
+    the prompt's picture and the episode's own observation picture) from the micro-batch."""
+    out = str(tmp_path / "out.pt")
+    spawn(_train_episodes, 1, str(vlm_dir), out)
+    r = torch.load(out, weights_only=False)
+    mb, group = r["mb"], r["group"]
+    pixels = mb.mm_inputs["pixel_values"]
+    assert pixels.shape == (4, 3, 56, 56)
+    for row, sample in enumerate(mb_samples(mb, group)):  # each row: the prompt's picture, then its sample's
+        assert torch.equal(pixels[2 * row], group.mm_inputs["pixel_values"][0])
+        assert torch.equal(pixels[2 * row + 1], group.sample_mm_inputs[sample]["pixel_values"][0])
+    mask = mb.loss_mask
+    torch.testing.assert_close(r["logprobs"][mask], mb.rollout_logprobs[mask], rtol=1e-5, atol=1e-5)
+    assert (r["swapped"][mask] - r["logprobs"][mask]).abs().max() > 1e-4  # the order is read
+
+
+def mb_samples(mb: MicroBatch, group: ScoredGroup) -> list[int]:
+    """Which sample of ``group`` each micro-batch row holds (by its ids)."""
+    p, ends = len(group.prompt_ids), mb.attention_mask.sum(dim=1).tolist()
+    samples = [i for row, end in enumerate(ends) for i, c in enumerate(group.completion_ids) if torch.equal(mb.input_ids[row, p:end], c.long())]
+    assert sorted(samples) == [0, 1]
+    return samples
 
 
 # ---------------------------------------------------------------- a second family: Qwen2-VL

@@ -736,7 +736,8 @@ class EnvConfig:
     max_total_tokens: int = 0
     """Context budget of an episode (prompt, turns and observations); 0: the model's positions."""
     max_obs_tokens: int = 256
-    """Longest observation, in tokens; a longer one is cut (``obs_truncate`` says where)."""
+    """Longest observation, in tokens; a longer one is cut (``obs_truncate`` says where), but
+    never through an image: one with images over it ends the episode (its reason: budget)."""
     obs_truncate: Literal["start", "end"] = "end"
     """Which end of a long observation is cut off."""
     tool_timeout_s: float = 10.0

@@ -36,9 +36,10 @@ import hashlib
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from protocols.messages import (
@@ -142,7 +143,22 @@ def scored_group(
 
 def mm_tensors(prompt: Prompt) -> dict[str, torch.Tensor]:
     """A prompt's processed images (``Prompt.mm_inputs``) as the messages carry them."""
-    return {name: torch.from_numpy(array.copy()) for name, array in prompt.mm_inputs.items()}
+    return tensors(prompt.mm_inputs)
+
+
+def tensors(mm_inputs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Processed images (arrays by name) as the messages carry them."""
+    return {name: torch.from_numpy(array.copy()) for name, array in mm_inputs.items()}
+
+
+def _same_images(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[name], b[name]) for name in a)
+
+
+def _joined(*parts: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Images of consecutive spans of a row: each name's arrays concatenated in order."""
+    present = [p for p in parts if p]
+    return {name: np.concatenate([p[name] for p in present]) for name in present[0]} if present else {}
 
 
 def scored_episodes(
@@ -209,6 +225,7 @@ def scored_episodes(
         episodes=[t.info for t in trajectories],
         token_advantages=per_token,
         forked=forked,
+        sample_mm_inputs=[tensors(t.mm) for t in trajectories] if any(t.images for t in trajectories) else [],
     )
 
 
@@ -231,7 +248,7 @@ def turn_record(key: GroupKey, sample: int, turn: Turn) -> TurnRecord:
         logprobs=torch.tensor(turn.logprobs, dtype=torch.float32), policy_version=turn.version,
         finish_reason=turn.finish_reason, obs_ids=torch.tensor(turn.obs_ids, dtype=torch.int32),
         reward=float("nan") if turn.reward is None else turn.reward, tool_errors=turn.tool_errors, ended=turn.ended,
-        detail=turn.detail, env_state=turn.env_state,
+        detail=turn.detail, env_state=turn.env_state, obs_images=turn.obs_images,
     )  # fmt: skip
 
 
@@ -240,7 +257,7 @@ def turn_of(record: TurnRecord) -> Turn:
         index=record.turn, token_ids=record.token_ids.tolist(), logprobs=record.logprobs.tolist(),
         version=record.policy_version, finish_reason=record.finish_reason, obs_ids=record.obs_ids.tolist(),
         reward=None if math.isnan(record.reward) else record.reward, tool_errors=record.tool_errors,
-        ended=record.ended, detail=record.detail, env_state=record.env_state,
+        ended=record.ended, detail=record.detail, env_state=record.env_state, obs_images=list(record.obs_images),
     )  # fmt: skip
 
 
@@ -401,7 +418,7 @@ class Controller:
             if not is_eval(key):
                 await self._call("buffer", turn_record(key, sample, turn), Ack)
 
-        async def episode(sample: int) -> tuple[list[int], Trajectory]:
+        async def episode(sample: int) -> tuple[list[int], dict[str, np.ndarray], Trajectory]:
             turns = recorded.get(sample, [])
             if turns:
                 logger.info("controller %d: group %s sample %d resumes after turn %d (recorded)", self.shard, key.as_str(), sample, len(turns) - 1)
@@ -415,8 +432,8 @@ class Controller:
         async with asyncio.TaskGroup() as tasks:  # (one that fails cancels the others)
             running = [tasks.create_task(episode(i)) for i in range(request.n)]
         episodes = [task.result() for task in running]
-        prompt_ids = episodes[0][0]
-        if any(ids != prompt_ids for ids, _ in episodes):
+        prompt_ids, prompt_mm = episodes[0][0], episodes[0][1]
+        if any(ids != prompt_ids or not _same_images(mm, prompt_mm) for ids, mm, _ in episodes):
             raise ActorFailed(
                 f"controller {self.shard}: group {key.as_str()}: " + (
                     "env.episode's first calls gave the group's episodes different prompts; a group is n attempts at "
@@ -426,25 +443,28 @@ class Controller:
                     "n attempts at one task: make reset follow its seed"
                 )
             )
-        trajectories = [t for _, t in episodes]
+        trajectories = [t for _, _, t in episodes]
         ids = torch.tensor(prompt_ids, dtype=torch.int32)
         transcripts = [torch.tensor(t.ids, dtype=torch.int32) for t in trajectories]
         scores = await self._score(key, prompt, ids, transcripts, [t.finish_reason for t in trajectories])
-        episode_prompt = dataclasses.replace(prompt, prompt_ids=prompt_ids)
+        episode_prompt = dataclasses.replace(prompt, prompt_ids=prompt_ids, mm_inputs=prompt_mm)
         return scored_episodes(key, episode_prompt, trajectories, scores, self.algorithm, runner.config)
 
     async def _episode(
         self, key: GroupKey, sample: int, request: GenerateRequest, row: dict[str, Any], *, recorded: list[Turn],
         record: Callable[[int, Turn], Awaitable[None]],
-    ) -> tuple[list[int], Trajectory]:  # fmt: skip
+    ) -> tuple[list[int], dict[str, np.ndarray], Trajectory]:  # fmt: skip
         """One episode of ``key``: a new environment reset with the group's seed, its
         recorded turns replayed, each new turn generated (sampled with a seed of its key,
-        sample and turn: a re-issue samples the same) and recorded."""
+        sample and turn: a re-issue samples the same) and recorded. Returns its prompt, the
+        prompt's images (processed) and the episode after the prompt."""
         assert self.episodes is not None
         runner, new_env = self.episodes
         turns, affinity = len(recorded), list[str]()
+        # The prompt's images: the data prompt's, until a reset renders a prompt of its own.
+        prompt_mm = {name: tensor.numpy() for name, tensor in request.mm_inputs.items()}
 
-        async def generate(ids: list[int], budget: int) -> Completion:
+        async def generate(ids: list[int], budget: int, observed: dict[str, np.ndarray]) -> Completion:
             nonlocal turns
             sampling = dataclasses.replace(
                 request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
@@ -453,41 +473,50 @@ class Controller:
             turns += 1
             turn = GenerateRequest(
                 group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
-                min_policy_version=request.min_policy_version, mm_inputs=request.mm_inputs,  # the prompt's images lead every turn
+                min_policy_version=request.min_policy_version,
+                mm_inputs=tensors(_joined(prompt_mm, observed)),  # the prompt's images, then the observations'
             )  # fmt: skip
             return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
 
         if isinstance(runner, AgentRunner):  # the user's code drives the episode
             try:
                 if runner.config.inline:
-                    return await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
+                    ids, trajectory = await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
+                    return ids, prompt_mm, trajectory
                 async with self._env_slots:  # (in the env role, as an environment: yatt.rl.agents.hosted)
                     env = RemoteEnv(
                         self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,
                         wait_s=self.config.request_timeout_s,
                     )  # fmt: skip
-                    return await runner.run(
+                    ids, trajectory = await runner.run(
                         row, generate, recorded=recorded, record=lambda turn: record(sample, turn),
                         episode=hosted(env, seed=sampling_seed(self.seed, key)),
                     )  # fmt: skip
+                    return ids, prompt_mm, trajectory
             except NoCall as e:
                 raise ActorFailed(f"controller {self.shard}: group {key.as_str()}: {e}") from e
         if new_env is None:  # (in the env role: a process there while it lives; the others wait their turn)
             async with self._env_slots:
-                return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record)
-        return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record)
+                return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record, prompt_mm)
+        return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record, prompt_mm)
 
     async def _env_episode(
         self, key: GroupKey, sample: int, request: GenerateRequest, row: dict[str, Any], runner: EpisodeRunner,
         new_env: EnvFactory | None, generate: Generate, recorded: list[Turn], record: Callable[[int, Turn], Awaitable[None]],
-    ) -> tuple[list[int], Trajectory]:  # fmt: skip
-        """``_episode`` against an environment: made here (``new_env``) or in the env role."""
+        prompt_mm: dict[str, np.ndarray],
+    ) -> tuple[list[int], dict[str, np.ndarray], Trajectory]:  # fmt: skip
+        """``_episode`` against an environment: made here (``new_env``) or in the env role.
+        ``prompt_mm``: the data prompt's images, replaced (in place: ``generate`` reads it) by
+        the reset's own when it renders the prompt."""
         try:
             env = new_env() if new_env is not None else RemoteEnv(
                 self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,
                 wait_s=self.config.request_timeout_s,
             )  # fmt: skip
-            prompt_ids = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=request.prompt_ids.tolist())
+            prompt_ids, images = await runner.start(env, seed=sampling_seed(self.seed, key), row=row, prompt_ids=request.prompt_ids.tolist())
+            if images is not None:
+                prompt_mm.clear()
+                prompt_mm.update(runner.renderer.pixels(images))
         except Exception as e:  # a user's environment: without its first observation the group cannot start
             raise ActorFailed(
                 f"controller {self.shard}: group {key.as_str()}: making or resetting the environment failed "
@@ -497,7 +526,7 @@ class Controller:
             trajectory = await runner.run(
                 env, prompt_ids, generate, recorded=recorded, record=lambda turn: record(sample, turn)
             )
-            return prompt_ids, trajectory
+            return prompt_ids, prompt_mm, trajectory
         finally:
             close = getattr(env, "close", None)
             if callable(close):

@@ -115,12 +115,16 @@ def validate_group(group: ScoredGroup, group_size: int) -> None:
             raise ProtocolError(f"{where}: scores[{scorer!r}] must be {n} finite numbers (got {scores.tolist()})")
     if group.failures and len(group.failures) != n:
         raise ProtocolError(f"{where}: failures has {len(group.failures)} entries, completion_ids {n}")
-    for name, tensor in group.mm_inputs.items():
-        if tensor.dim() < 1 or tensor.shape[0] < 1 or (tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())):
-            raise ProtocolError(
-                f"{where}: mm_inputs[{name!r}] must be finite, with a first dimension (images or patches) >= 1 "
-                f"(got shape {tuple(tensor.shape)})"
-            )
+    if group.sample_mm_inputs and len(group.sample_mm_inputs) != n:
+        raise ProtocolError(f"{where}: sample_mm_inputs has {len(group.sample_mm_inputs)} entries, completion_ids {n}")
+    images = [("mm_inputs", group.mm_inputs)] + [(f"sample_mm_inputs[{i}]", mm) for i, mm in enumerate(group.sample_mm_inputs)]
+    for field_name, mm in images:
+        for name, tensor in mm.items():
+            if tensor.dim() < 1 or tensor.shape[0] < 1 or (tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())):
+                raise ProtocolError(
+                    f"{where}: {field_name}[{name!r}] must be finite, with a first dimension (images or patches) >= 1 "
+                    f"(got shape {tuple(tensor.shape)})"
+                )
     _validate_episodes(group, where)
 
 
@@ -956,22 +960,29 @@ class SamplingBuffer:
             advantages=advantages,
             policy_versions=versions,
             group_keys=[groups[gi].group_key for gi, _ in rows],
-            mm_inputs=_mm_inputs([groups[gi] for gi, _ in rows]),
+            mm_inputs=_mm_inputs([groups[gi] for gi, _ in rows], [i for _, i in rows]),
         )
 
 
-def _mm_inputs(rows: list[ScoredGroup]) -> dict[str, torch.Tensor]:
-    """The images of a micro-batch's rows (each row's group's, in row order), each name's
-    tensors concatenated along their first dimension, as a processor batches them."""
-    names = sorted({name for group in rows for name in group.mm_inputs})
+def _mm_inputs(groups: list[ScoredGroup], rows: list[int]) -> dict[str, torch.Tensor]:
+    """The images of a micro-batch's rows in row order (row ``rows[b]`` of ``groups[b]``:
+    its prompt's, then its sample's observations'), each name's tensors concatenated along
+    their first dimension, as a processor batches them."""
+    per_row: list[tuple[ScoredGroup, dict[str, torch.Tensor]]] = []
+    for group, i in zip(groups, rows, strict=True):
+        spans = [group.mm_inputs]
+        if group.sample_mm_inputs and i < len(group.completion_ids):  # (a forked row: its prompt's only)
+            spans.append(group.sample_mm_inputs[i])
+        per_row.extend((group, span) for span in spans if span)
+    names = sorted({name for _, span in per_row for name in span})
     for name in names:
-        missing = next((g for g in rows if g.mm_inputs and name not in g.mm_inputs), None)
+        missing = next((g for g, span in per_row if name not in span), None)
         if missing is not None:
             raise ProtocolError(
-                f"ScoredGroup {missing.group_key.as_str()}: mm_inputs lacks {name!r}, which other groups "
-                "of the micro-batch carry; every prompt with images must be processed by the same processor"
+                f"ScoredGroup {missing.group_key.as_str()}: its images lack {name!r}, which other images "
+                "of the micro-batch carry; every image must be processed by the same processor"
             )
-    return {name: torch.cat([g.mm_inputs[name] for g in rows if g.mm_inputs]) for name in names}
+    return {name: torch.cat([span[name] for _, span in per_row]) for name in names}
 
 
 def _row(group: ScoredGroup, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 Messages = Sequence[Mapping[str, Any]]
 """Chat messages, a content being text or parts (yatt.rl.data.Messages)."""
 
-_TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 """Processor outputs that describe the text, not the images (the ids are re-made per batch)."""
 
 
@@ -80,7 +80,7 @@ def encode(
             raise ConfigError(f"{field}: row {index}: the processor at {model_dir!r} refused it: {reason}") from e
         ids = [int(t) for t in out["input_ids"][0]]
         mm_inputs = {
-            name: np.ascontiguousarray(value) for name, value in out.items() if name not in _TEXT_OUTPUTS
+            name: np.ascontiguousarray(value) for name, value in out.items() if name not in TEXT_OUTPUTS
         }
         encoded.append(Encoded(ids, mm_inputs, ids.count(image_token) if image_token is not None else 0))
     return encoded

@@ -57,7 +57,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from yatt.errors import PluginError
+from yatt.errors import ConfigError, PluginError
 from yatt.rl.agents.episodes import Diverged, Fork, Generate, Record, Row, Runner, Trajectory, Turn
 from yatt.rl.agents.render import Renderer
 from yatt.rl.agents.tools import ToolCallError, parse_tool_calls
@@ -196,7 +196,7 @@ class EpisodeClient:
         else:
             self._since = time.monotonic()
             try:
-                sampled = await self._generate(ids, budget)
+                sampled = await self._generate(ids, budget, {})  # (agent code sends text: no images)
             finally:
                 self.generating_s += time.monotonic() - self._since
                 self._since = None
@@ -228,6 +228,12 @@ class EpisodeClient:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, max_tokens: int | None
     ) -> dict[str, Any]:  # fmt: skip
         runner = self._runner
+        pictured = next((i for i, m in enumerate(messages) if _has_images(m)), None)
+        if pictured is not None:
+            raise ConfigError(
+                f"agent code's chat call: message {pictured} holds an image; agent code's calls take text (content "
+                "as text or text parts); for observations with images write an environment (env.class)"
+            )
         self._tools = tools or self._tools
         kept = len(self._chat or [])
         new = [dict(m) for m in messages[kept:]]
@@ -426,6 +432,12 @@ def _arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], tools: 
     schema: dict[str, Any] = next((t.get("function", {}) for t in tools if t.get("function", {}).get("name") == name), {})
     names = list(schema.get("parameters", {}).get("properties", {}))
     return {**{names[i] if i < len(names) else str(i): a for i, a in enumerate(args)}, **kwargs}
+
+
+def _has_images(message: dict[str, Any]) -> bool:
+    """Whether a chat message's content holds a part other than text (an image, OpenAI's image_url)."""
+    content = message.get("content")
+    return isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content)
 
 
 def _comparable(message: dict[str, Any]) -> dict[str, Any]:

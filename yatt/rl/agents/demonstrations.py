@@ -26,6 +26,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from protocols.messages import Completion
@@ -71,8 +72,13 @@ async def play(
         assert new_env is not None
         env = new_env()
         try:
-            prompt = await runner.start(env, seed=0, row=row, prompt_ids=prompt_ids)
+            prompt, images = await runner.start(env, seed=0, row=row, prompt_ids=prompt_ids)
             trajectory = await runner.run(env, prompt, generate)
+            if images or trajectory.images:
+                raise ConfigError(
+                    f"{where}: its episode's observations hold images, and a warm start from demonstrations "
+                    f"takes text episodes only; drop the rows' {DEMONSTRATION!r} or the images"
+                )
         finally:
             if callable(close := getattr(env, "close", None)):
                 await call(close)
@@ -94,7 +100,7 @@ def _scripted(
     stops = runner.config.stop_strings
     queue = list(actions)
 
-    async def generate(ids: list[int], budget: int) -> Completion:
+    async def generate(ids: list[int], budget: int, _images: dict[str, np.ndarray]) -> Completion:
         if not queue:
             raise ConfigError(f"{where} has {len(actions)} turns, and its episode asked for another")
         text = queue.pop(0)

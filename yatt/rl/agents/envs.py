@@ -7,7 +7,12 @@ episode with ``env.kwargs``; yatt calls, as Gymnasium does (sync or ``async def`
     obs, reward, terminated, truncated, info = env.step(action_text)
 
 An observation is text (a user message), one chat message ``{"role", "content"}``, a list
-of them, or None (reset: the data row's own prompt; step: nothing to add). ``reward`` may
+of them, or None (reset: the data row's own prompt; step: nothing to add). A message's
+content is text or a list of parts, as Hugging Face processors and OpenAI take them:
+``{"type": "text", "text": ...}`` and, for a vision-language model, an image:
+``{"type": "image", "image": PIL image | bytes | path}`` or OpenAI's ``{"type":
+"image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (no fetching: a data URL
+or a local path). Images are carried as their encoded bytes (``normalized``). ``reward`` may
 be None until the end. A ``gymnasium.Env`` with text observations and actions works as it
 is. ``info["tools"]`` from reset (OpenAI function schemas) goes to the chat template with
 the first prompt; ``info["tool_errors"]`` from a step counts in the episode's metrics.
@@ -20,8 +25,13 @@ answer). Every environment is checked before any process starts (``check_env``).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import inspect
+import io
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 from yatt.errors import PluginError
@@ -38,8 +48,11 @@ from yatt.rl.agents.tools import (
 from yatt.rl.config import EnvConfig
 from yatt.runtime.plugins import load_plugin
 
-Message = dict[str, str]
+Message = dict[str, Any]
+"""A chat message: ``role`` and ``content`` (text, or a list of text and image parts)."""
 Observation = str | Message | list[Message] | None
+
+_PARTS = "a content is text or a list of parts: {'type': 'text', 'text': ...} or {'type': 'image', 'image': ...}"
 
 ENV_CLASS = (
     "a class in Gymnasium's convention: reset(seed=, options=) -> (obs, info) and "
@@ -85,6 +98,105 @@ def messages_of(obs: Observation, *, role: str = "user") -> list[Message]:
     if isinstance(obs, list) and all(isinstance(m, dict) for m in obs):
         return list(obs)
     raise TypeError(f"an observation is text, a chat message or a list of them (got {type(obs).__name__})")
+
+
+def normalized(messages: list[Message]) -> list[Message]:
+    """``messages`` checked (a str ``role``; a ``content`` of text or parts) with each image
+    part made ``{"type": "image", "image": <its encoded bytes>}`` (a PIL image as PNG; a
+    path, bytes or a data URL as they are). ``TypeError``/``ValueError`` naming the message
+    and part otherwise."""
+    out: list[Message] = []
+    for m, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        rest = {k: v for k, v in message.items() if k != "content"}  # role, name, tool_call_id, ...
+        bad = {k: type(v).__name__ for k, v in rest.items() if not isinstance(v, str)}
+        if not isinstance(role, str) or bad:
+            raise TypeError(f"observation message {m} needs a str 'role', its fields but 'content' text (got {message!r:.200})")
+        if isinstance(content, str):
+            out.append({**rest, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise TypeError(f"observation message {m}: {_PARTS} (got {type(content).__name__})")
+        parts: list[dict[str, Any]] = []
+        for p, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image", "image_url"):
+                parts.append({"type": "image", "image": _image_bytes(part, f"observation message {m} part {p}")})
+            else:
+                raise TypeError(f"observation message {m} part {p}: {_PARTS} (got {part!r:.200})")
+        out.append({**rest, "content": parts})
+    return out
+
+
+def _image_bytes(part: dict[str, Any], where: str) -> bytes:
+    """An image part's encoded image: PIL (saved as PNG), bytes, a local path, or a data URL."""
+    value = part["image_url"].get("url") if isinstance(part.get("image_url"), dict) else next(
+        (part[k] for k in ("image", "path", "url") if part.get(k) is not None), None
+    )
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and value.startswith("data:"):
+        try:
+            return base64.b64decode(value.split(",", 1)[1], validate=True)
+        except (IndexError, binascii.Error) as e:
+            raise ValueError(f"{where}: a data URL of an image must be 'data:<type>;base64,<data>' ({e})") from e
+    if isinstance(value, (str, Path)):
+        if "://" in str(value):
+            raise ValueError(f"{where}: {str(value)!r:.100}: images are not fetched; give bytes, a PIL image, a path or a data URL")
+        try:
+            return Path(value).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read the image {str(value)!r:.100} ({e})") from e
+    save = getattr(value, "save", None)
+    if callable(save):  # a PIL image
+        buffer = io.BytesIO()
+        save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"{where}: an image is a PIL image, bytes, a path or a data URL (got {type(value).__name__})")
+
+
+def images_of(messages: Sequence[Message]) -> list[bytes]:
+    """The images of ``normalized`` messages, in order."""
+    return [
+        part["image"] for m in messages if isinstance(m["content"], list) for part in m["content"] if part["type"] == "image"
+    ]  # fmt: skip
+
+
+def to_wire(messages: list[Message]) -> tuple[list[dict[str, str]], list[bytes]]:
+    """``normalized`` messages as ``EnvReply`` carries them: text messages as they are; a
+    message with parts as ``{"role", "content": "", "parts": <the parts as JSON, each image
+    part without its image>}``; the images, in order, beside them."""
+    wired = [
+        m if isinstance(m["content"], str) else {
+            **m, "content": "", "parts": json.dumps([{"type": "image"} if p["type"] == "image" else p for p in m["content"]]),
+        }
+        for m in messages
+    ]  # fmt: skip
+    return wired, images_of(messages)
+
+
+def from_wire(messages: list[dict[str, str]], images: list[bytes]) -> list[Message]:
+    """``to_wire``'s inverse."""
+    out: list[Message] = []
+    used = 0
+    for m in messages:
+        if "parts" not in m:
+            out.append(dict(m))
+            continue
+        rest = {k: v for k, v in m.items() if k not in ("content", "parts")}
+        parts = json.loads(m["parts"])
+        for p, part in enumerate(parts):
+            if part["type"] == "image":
+                if used == len(images):
+                    raise ValueError(f"EnvReply.images: {len(images)} images for more image parts in its messages")
+                parts[p] = {"type": "image", "image": images[used]}
+                used += 1
+        out.append({**rest, "content": parts})
+    if used != len(images):
+        raise ValueError(f"EnvReply.images: {len(images)} images for {used} image parts in its messages")
+    return out
 
 
 class ToolEnv:

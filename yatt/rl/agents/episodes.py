@@ -19,7 +19,11 @@ and actions) raises ``Diverged``: the caller runs the episode again from its sta
 Token in, token out: the policy's ids are appended as sampled, never decoded and encoded
 again; only observations are rendered. A row's mask is 1 on the policy's tokens (they carry
 the rollout log-prob and the version that sampled them) and 0 on observations (log-prob 0,
-version -1): no loss, no KL, no entropy, not in the token mean. The episode's environment
+version -1): no loss, no KL, no entropy, not in the token mean. An observation's images (a
+vision-language model) are expanded by the renderer into their placeholder tokens, never
+cut, and ride with the row as the processor's tensors (``Row.mm``): on every later turn's
+generation request and in the sample's ``ScoredGroup.sample_mm_inputs``; a turn's record
+keeps their encoded bytes. The episode's environment
 time is bounded by ``env.episode_timeout_s`` (generation is not: the generators' own
 deadlines and re-issues cover it); an environment that raises ends its episode as
 ``env_error`` with the reason, trained on as far as it got; the run goes on.
@@ -35,13 +39,24 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from protocols.messages import Completion, EpisodeInfo
-from yatt.rl.agents.envs import EnvFailed, Observation, call, messages_of, supports_snapshots
+from yatt.rl.agents.envs import (
+    EnvFailed,
+    Message,
+    call,
+    images_of,
+    messages_of,
+    normalized,
+    supports_snapshots,
+)
 from yatt.rl.agents.render import Renderer
 from yatt.rl.config import EnvConfig
 
-Generate = Callable[[list[int], int], Awaitable[Completion]]
-"""(the episode's ids so far, the turn's token budget) -> the policy's next turn."""
+Generate = Callable[[list[int], int, dict[str, np.ndarray]], Awaitable[Completion]]
+"""(the episode's ids so far, the turn's token budget, the images of its observations so far,
+processed: {} for none) -> the policy's next turn."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +74,7 @@ class Turn:
     ended: str = ""  # how the episode ended at it; "": it goes on
     detail: str = ""
     env_state: bytes = b""  # the environment's snapshot() after its step (b"": none taken)
+    obs_images: list[bytes] = field(default_factory=list)  # the observation's images, encoded, in order
 
 
 Record = Callable[[Turn], Awaitable[None]]
@@ -79,6 +95,15 @@ class Row:
     logprobs: list[float] = field(default_factory=list)  # rollout log-probs; 0 on observations
     versions: list[int] = field(default_factory=list)  # the version that sampled each token; -1 on observations
     turns: list[tuple[int, int]] = field(default_factory=list)  # each turn's [start, end) in ``ids``
+    images: list[bytes] = field(default_factory=list)  # the observations' images, encoded, in order
+    pixels: list[dict[str, np.ndarray]] = field(default_factory=list)  # and processed, one entry per observation with images
+
+    @property
+    def mm(self) -> dict[str, np.ndarray]:
+        """The row's images after its prompt's, processed: each name's arrays concatenated."""
+        if not self.pixels:
+            return {}
+        return {name: np.concatenate([p[name] for p in self.pixels]) for name in self.pixels[0]}
 
     def add(self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1) -> None:
         own = logprobs is not None
@@ -139,15 +164,18 @@ class Runner:
 class EpisodeRunner(Runner):
     """Runs episodes against new environments (Gymnasium's reset/step, or the tools')."""
 
-    async def start(self, env: Any, *, seed: int, row: dict[str, Any], prompt_ids: list[int]) -> list[int]:
-        """The episode's prompt: ``env.reset``'s observation rendered as the first prompt (the
-        data row's own ``prompt_ids`` when it is None)."""
+    async def start(
+        self, env: Any, *, seed: int, row: dict[str, Any], prompt_ids: list[int]
+    ) -> tuple[list[int], list[bytes] | None]:
+        """The episode's prompt: ``env.reset``'s observation rendered as the first prompt, and
+        its images (encoded); the data row's own ``prompt_ids`` and None (the data prompt's
+        images) when the observation is None."""
         obs, info = await call(env.reset, seed=seed, options={"row": row})
-        messages = messages_of(obs)
+        messages = normalized(messages_of(obs))
         if not messages:
-            return list(prompt_ids)
+            return list(prompt_ids), None
         tools = info.get("tools") if isinstance(info, dict) else None
-        return self.renderer.prompt(messages, tools=tools)
+        return self.renderer.prompt(messages, tools=tools), images_of(messages)
 
     async def run(
         self, env: Any, prompt_ids: list[int], generate: Generate, *, recorded: list[Turn] | None = None,
@@ -173,18 +201,18 @@ class EpisodeRunner(Runner):
                 turn = replay[index]
                 ids, logprobs, version, finish = turn.token_ids, turn.logprobs, turn.version, turn.finish_reason
             else:
-                sampled = await generate(prompt_ids + out.ids, min(self.max_new_tokens, room))
+                sampled = await generate(prompt_ids + out.ids, min(self.max_new_tokens, room), out.mm)
                 ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
                 version, finish = sampled.policy_version_min, sampled.finish_reason
             out.add(ids, logprobs=logprobs, version=version)
             out.finish_reason = finish
             out.info = dataclasses.replace(out.info, turns=index + 1)
             began, state = time.monotonic(), b""
-            reward, obs_ids, detail, turn_errors = None, [], "", 0
+            reward, obs_ids, obs_images, detail, turn_errors = None, [], list[bytes](), "", 0
             if restoring and index < len(replay):  # its outcome as recorded; the last one's state restored
                 kept = replay[index]
-                reward, obs_ids, detail, turn_errors, ended, state = (
-                    kept.reward, kept.obs_ids, kept.detail, kept.tool_errors, kept.ended, kept.env_state
+                reward, obs_ids, obs_images, detail, turn_errors, ended, state = (
+                    kept.reward, kept.obs_ids, kept.obs_images, kept.detail, kept.tool_errors, kept.ended, kept.env_state
                 )
                 if index == len(replay) - 1 and not ended:
                     await self._restore(env, state)
@@ -198,24 +226,25 @@ class EpisodeRunner(Runner):
                     if terminated or truncated:
                         ended = "done" if terminated else "truncated"
                     elif index + 1 < self.config.max_turns:  # (no observation after the last turn: nothing reads it)
-                        obs_ids = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
-                        if len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
-                            ended, obs_ids = "budget", []
+                        obs_ids, obs_images, detail = self._render(obs, ended_with_eos=bool(ids) and ids[-1] in self.eos_ids)
+                        if detail or len(prompt_ids) + len(out.ids) + len(obs_ids) >= self.budget:
+                            ended, obs_ids, obs_images = "budget", [], []
                     if snapshots and not ended:
                         state = await _snapshot(env)
                 except EnvFailed as e:  # (hosted by the env role: the message names the environment)
-                    ended, detail, reward, obs_ids = "env_error", str(e), None, []
+                    ended, detail, reward, obs_ids, obs_images = "env_error", str(e), None, [], []
                 except TimeoutError:
                     ended, detail = "timeout", f"the environment took over env.episode_timeout_s={self.config.episode_timeout_s:g} s"
                 except Exception as e:  # a user's environment may raise or answer anything: the episode ends, the run goes on
-                    ended, detail, reward, obs_ids = "env_error", f"{type(env).__name__}.step: {type(e).__name__}: {e}", None, []
+                    ended, detail, reward = "env_error", f"{type(env).__name__}.step: {type(e).__name__}: {e}", None
+                    obs_ids, obs_images = [], []
                 finally:
                     env_time += time.monotonic() - began
             rewards.append(float("nan") if reward is None else float(reward))
             errors += turn_errors
             done = Turn(
                 index=index, token_ids=ids, logprobs=logprobs, version=version, finish_reason=finish, obs_ids=obs_ids,
-                reward=reward, tool_errors=turn_errors, ended=ended, detail=detail, env_state=state,
+                reward=reward, tool_errors=turn_errors, ended=ended, detail=detail, env_state=state, obs_images=obs_images,
             )  # fmt: skip
             if index < len(replay):
                 if not restoring:
@@ -223,6 +252,9 @@ class EpisodeRunner(Runner):
             elif record is not None:
                 await record(done)
             out.add(obs_ids)
+            if obs_images:
+                out.images += obs_images
+                out.pixels.append(self.renderer.pixels(obs_images))
             out.info = EpisodeInfo(ended=ended or "max_turns", turns=index + 1, turn_rewards=rewards, tool_errors=errors, detail=detail)
         out.info = dataclasses.replace(out.info, ended=ended)
         return out
@@ -235,17 +267,23 @@ class EpisodeRunner(Runner):
         except Exception as e:  # a user's restore: the episode can still be run from its start
             raise Diverged(f"{type(env).__name__}.restore failed ({type(e).__name__}: {e})") from e
 
-    def _render(self, obs: Observation, *, ended_with_eos: bool) -> list[int]:
-        """An observation's ids, cut to ``env.max_obs_tokens`` at the configured end (the
-        template's framing stays whole: only the content's tokens are cut)."""
-        messages = messages_of(obs)
+    def _render(self, obs: Any, *, ended_with_eos: bool) -> tuple[list[int], list[bytes], str]:
+        """An observation's ids, cut to ``env.max_obs_tokens`` at the configured end, and its
+        images (encoded). One with images is never cut (an image's placeholder tokens are
+        whole or absent): past the limit, its reason instead, and the episode ends there."""
+        messages: list[Message] = normalized(messages_of(obs))
         if not messages:  # nothing to add: the policy's next turn follows its last one
-            return []
+            return [], [], ""
         ids = self.renderer.observation(messages, ended_with_eos=ended_with_eos)
-        limit = self.config.max_obs_tokens
+        images, limit = images_of(messages), self.config.max_obs_tokens
         if len(ids) <= limit:
-            return ids
-        return ids[:limit] if self.config.obs_truncate == "end" else ids[-limit:]
+            return ids, images, ""
+        if images:
+            return [], [], (
+                f"an observation of {len(ids)} tokens with {len(images)} image(s) is over env.max_obs_tokens={limit} "
+                "and is not cut through its images; raise env.max_obs_tokens or send smaller observations"
+            )
+        return (ids[:limit] if self.config.obs_truncate == "end" else ids[-limit:]), [], ""
 
 
 async def _snapshot(env: Any) -> bytes:
@@ -258,7 +296,7 @@ async def _snapshot(env: Any) -> bytes:
 
 def _check_replay(recorded: Turn, replayed: Turn) -> None:
     """A replayed turn must end as recorded: the same observation, reward and ending."""
-    outcome = ("obs_ids", "ended", "tool_errors", "reward")
+    outcome = ("obs_ids", "obs_images", "ended", "tool_errors", "reward")
     rewards = (recorded.reward, replayed.reward)
     if any(getattr(recorded, name) != getattr(replayed, name) for name in outcome):
         raise Diverged(

@@ -5,6 +5,11 @@ higher/lower feedback, over several turns. It follows Gymnasium's text conventio
 (``reset(seed=, options=)``, ``step(action)``), so it also shows what yatt expects of a
 user's environment.
 
+``CountRed`` (``env.class: yatt.rl.agents.games:CountRed``): a vision-language game. The
+first observation is a picture and a question (how many red squares?); a wrong count is
+answered with a second picture, the same one with only its red squares left. Images ride in
+observations as a user's environment sends them: chat content parts with PIL images.
+
 ``guess_agent`` (``env.episode: yatt.rl.agents.games:guess_agent``): the same game written
 as agent code that drives its own episode (yatt/rl/agents/client.py): it keeps the
 conversation, asks the policy through ``client.chat`` and returns the reward.
@@ -24,7 +29,7 @@ import re
 from typing import Any
 
 from yatt.rl.agents.tools import calculator
-from yatt.rl.tasks import answer_reward
+from yatt.rl.tasks import answer_reward, count_red_images, count_red_prompts
 
 
 class GuessNumber:
@@ -52,6 +57,36 @@ class GuessNumber:
         if guess == self.secret:
             return "Correct.", 1.0, True, False, {}
         return ("Higher." if guess < self.secret else "Lower."), 0.0, False, False, {}
+
+
+class CountRed:
+    """Count the red squares of a ``count_red`` picture (the data row's, from its ``cells``
+    and ``squares`` where it has them, as the count_red task's rows do, else drawn from the
+    reset seed). Reward 1 for the right count (the episode ends); a wrong or missing one is
+    shown the picture again with the blue squares removed, reward 0."""
+
+    QUESTION = "How many red squares? Answer with the number only."
+
+    def __init__(self) -> None:
+        self.picture: dict[str, str] = {}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        row = (options or {}).get("row") or {}
+        keys = ("cells", "squares", "answer")
+        self.picture = (
+            {k: str(row[k]) for k in keys} if all(k in row for k in keys)
+            else count_red_prompts(1, seed or 0)[0][1]
+        )  # fmt: skip
+        image = count_red_images(self.picture)[0]
+        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": self.QUESTION}]}], {}
+
+    def step(self, action: str) -> tuple[list[dict[str, Any]] | None, float, bool, bool, dict[str, Any]]:
+        found = re.match(r"\s*(\d+)", action)
+        if found is not None and int(found.group(1)) == int(self.picture["answer"]):
+            return None, 1.0, True, False, {}
+        red_only = {**self.picture, "cells": self.picture["cells"].replace("b", ".")}
+        hint = [{"type": "image", "image": count_red_images(red_only)[0]}, {"type": "text", "text": "Not quite. Here are the red ones alone. How many?"}]
+        return [{"role": "user", "content": hint}], 0.0, False, False, {}
 
 
 async def guess_agent(client: Any, row: dict[str, Any], high: int = 8, turns: int = 4) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 
 from protocols.messages import EnvCall, EnvReply
 from yatt.errors import PeerLost, RemoteError, RequestTimeout, TransportError
-from yatt.rl.agents.envs import EnvFailed
+from yatt.rl.agents.envs import EnvFailed, Message, from_wire
 from yatt.runtime.registry import Directory
 
 logger = logging.getLogger(__name__)
@@ -61,19 +61,19 @@ class RemoteEnv:
     def __post_init__(self) -> None:
         self.episode = f"{self.name}/{uuid.uuid4().hex[:8]}"
 
-    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
         self.seed, self.row = seed or 0, dict((options or {}).get("row", {}))
         self.first = await self._retrying(self._open)
         self.supports_snapshots = self.first.snapshots
         tools = json.loads(self.first.tools_json) if self.first.tools_json else None
-        return self.first.messages, ({"tools": tools} if tools else {})
+        return from_wire(self.first.messages, self.first.images), ({"tools": tools} if tools else {})
 
-    async def step(self, action: str) -> tuple[list[dict[str, str]], float | None, bool, bool, dict[str, Any]]:
+    async def step(self, action: str) -> tuple[list[Message], float | None, bool, bool, dict[str, Any]]:
         turn = self.turn + 1
         reply = await self._retrying(lambda: self._call(EnvCall(episode=self.episode, method="step", turn=turn, action=action)))
         self.turn = turn
         self.steps.append((turn, action, reply))
-        return reply.messages, reply.reward, reply.terminated, reply.truncated, {"tool_errors": reply.tool_errors}
+        return from_wire(reply.messages, reply.images), reply.reward, reply.terminated, reply.truncated, {"tool_errors": reply.tool_errors}
 
     async def snapshot(self) -> bytes:
         reply = await self._retrying(lambda: self._call(EnvCall(episode=self.episode, method="snapshot")))
@@ -156,6 +156,6 @@ class RemoteEnv:
 
 def _same(again: EnvReply, recorded: EnvReply | None, what: str) -> None:
     """A rebuilt episode must answer as it did; ``EnvFailed`` otherwise (not deterministic)."""
-    fields = ("messages", "reward", "terminated", "truncated", "tool_errors")
+    fields = ("messages", "images", "reward", "terminated", "truncated", "tool_errors")
     if recorded is not None and any(getattr(again, f) != getattr(recorded, f) for f in fields):
         raise EnvFailed(f"{what} answered otherwise than before: the environment is not deterministic in its reset seed and actions")

@@ -35,20 +35,31 @@ conversation. The boundary rules:
   the messages' contents joined by a blank line and encoded with the tokenizer's special
   tokens, as ``yatt.rl.data`` encodes plain-text prompts.
 
-This module needs only a tokenizer and is pure: no model, no I/O.
+- Images (a vision-language model; ``chat`` only): an observation's image parts are written
+  by the template as its image placeholder, and the model's processor expands each into the
+  model's count of image tokens (``observation``; the first prompt too); ``pixels`` gives
+  the images' tensors (``pixel_values``, ...) that go beside the ids, made from the same
+  encoded images on a replay. An image's placeholder tokens are never cut.
+
+This module needs only a tokenizer (and, for images, the model's processor) and is pure: no
+model, no I/O.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import jinja2  # transformers renders chat templates with it (a requirement of torch)
+import numpy as np
 
 from yatt.errors import ConfigError
+from yatt.rl.agents.envs import Message, images_of
+from yatt.rl.vision import TEXT_OUTPUTS
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 __all__ = ["Protocol", "Renderer", "self_check"]
 
@@ -80,11 +91,15 @@ class Renderer:
     one encoding. Raises ``ConfigError`` naming the template for what it cannot support."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, *, protocol: Protocol = "chat", name: str = ""
-    ) -> None:
+        self, tokenizer: PreTrainedTokenizerBase, *, protocol: Protocol = "chat", name: str = "",
+        processor: ProcessorMixin | None = None,
+    ) -> None:  # fmt: skip
+        """``processor``: a vision-language model's (its image processor expands observations'
+        images); None: observations with images are refused."""
         if protocol not in _PROTOCOLS:
             raise ConfigError(f"env.protocol must be one of {', '.join(_PROTOCOLS)} (got {protocol!r})")
         self.tokenizer = tokenizer
+        self.processor = processor
         self.protocol: Protocol = protocol
         self.name = name or str(getattr(tokenizer, "name_or_path", "") or "") or "the tokenizer"
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -176,26 +191,32 @@ class Renderer:
         )
 
     def prompt(
-        self, messages: list[dict[str, str]], *, tools: list[dict[str, Any]] | None = None
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """The first prompt's ids: the template's own tokenization with a generation prompt
         (the same ids as a single-turn prompt). Without a chat template (raw protocol only):
         the contents joined by a blank line, encoded with the tokenizer's special tokens, as
         ``yatt.rl.data`` encodes plain-text prompts; ``tools`` is then ignored (the
         environment's instructions say how to call them)."""
+        _check_parts(messages)
+        images = images_of(messages)
+        self._takes(images)
         if not self.has_template:
+            if images:
+                raise ConfigError(f"a first observation with images needs a chat template; {self.name} has none")
             encoded = self.tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)
             return _input_ids(encoded)
         schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else [*tools]
         try:
             out = self.tokenizer.apply_chat_template(
-                messages, tools=schemas, add_generation_prompt=True, tokenize=True
+                messages, tools=schemas, add_generation_prompt=True, tokenize=not images
             )
         except _TEMPLATE_ERRORS as e:
             raise ConfigError(f"the chat template of {self.name} cannot render the prompt: {e}") from e
-        return _input_ids(out)
+        # (with images: the processor's tokenization, as yatt.rl.vision makes a data prompt's)
+        return self._expanded(cast(str, out), images, special=True) if images else _input_ids(out)
 
-    def observation(self, messages: list[dict[str, str]], *, ended_with_eos: bool) -> list[int]:
+    def observation(self, messages: list[Message], *, ended_with_eos: bool) -> list[int]:
         """The ids to append after a policy turn (see the module docstring for the rules).
 
         chat: the rest of the assistant's end-of-turn (all of it when the turn did not end
@@ -204,11 +225,16 @@ class Renderer:
         contents concatenated; ``ended_with_eos`` is not used. Rendered without the prompt's
         tool schemas: the templates seen write those into the system part only."""
         for message in messages:
-            if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
+            if not isinstance(message.get("content"), (str, list)) or not isinstance(message.get("role"), str):
                 raise ConfigError(
-                    f"an observation message needs a str 'role' and 'content' (got {message!r})"
+                    f"an observation message needs a str 'role' and a 'content' of text or parts (got {message!r:.200})"
                 )
+        _check_parts(messages)
+        images = images_of(messages)
+        self._takes(images)
         if self.protocol == "raw":
+            if images:
+                raise ConfigError("an observation with images needs env.protocol=chat (its chat template places them)")
             return self.encode("".join(m["content"] for m in messages))
         if not messages:
             raise ConfigError(f"an observation in env.protocol=chat needs at least one message ({self.name})")
@@ -234,7 +260,38 @@ class Renderer:
                     "continued as the template renders it; use env.protocol=raw"
                 )
             continuation = continuation[len(self.eos_text) :]
-        return self.encode(continuation)
+        return self._expanded(continuation, images, special=False) if images else self.encode(continuation)
+
+    def _expanded(self, text: str, images: list[bytes], *, special: bool) -> list[int]:
+        """``text`` (the template's, one placeholder per image) encoded by the processor, each
+        image's placeholder expanded to the model's count of image tokens for it."""
+        self._takes(images)
+        assert self.processor is not None  # (``_takes`` refused images without one)
+        try:
+            out = self.processor(
+                text=[text], images=_decoded(images), add_special_tokens=special, return_tensors="np"
+            )  # fmt: skip
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"the processor of {self.name} refused an observation's {len(images)} image(s): {' '.join(str(e).split())}") from e
+        return [int(t) for t in out["input_ids"][0]]
+
+    def _takes(self, images: list[bytes]) -> None:
+        """Refuses images where there is no image processor to expand them."""
+        if images and (self.processor is None or getattr(self.processor, "image_processor", None) is None):
+            raise ConfigError(
+                f"an observation holds {len(images)} image(s), but {self.name} is a text-only model (no image "
+                "processor); use a vision-language model, or observations without images"
+            )
+
+    def pixels(self, images: Sequence[bytes]) -> dict[str, np.ndarray]:
+        """The processor's tensors for ``images`` (encoded), by name, first dimension per image
+        or patch: what the model takes beside the ids that ``observation`` expanded; {} for none."""
+        if not images:
+            return {}
+        assert self.processor is not None  # (``observation`` refused images without one)
+        token = getattr(self.processor, "image_token", None)
+        out = self.processor(text=[str(token) * len(images)], images=_decoded(images), return_tensors="np")
+        return {name: np.ascontiguousarray(value) for name, value in out.items() if name not in TEXT_OUTPUTS}
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids without the tokenizer's added BOS/EOS; special tokens written in the
@@ -256,7 +313,7 @@ class Renderer:
             raise ConfigError(f"the chat template of {self.name} cannot render a conversation: {e}") from e
         return _input_ids(out)
 
-    def _render(self, messages: list[dict[str, str]], *, generation: bool) -> str:
+    def _render(self, messages: list[Message], *, generation: bool) -> str:
         """The template's text for ``messages``; its errors as ``ConfigError`` naming it."""
         try:
             text = self.tokenizer.apply_chat_template(
@@ -268,6 +325,33 @@ class Renderer:
         if not isinstance(text, str):
             raise ConfigError(f"the chat template of {self.name} rendered {type(text).__name__}, not text")
         return text
+
+
+def _check_parts(messages: list[Message]) -> None:
+    """A content of parts holds text parts and images as ``normalized`` makes them (bytes)."""
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        for p, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not (kind == "text" and isinstance(part.get("text"), str)) and not (kind == "image" and isinstance(part.get("image"), bytes)):
+                raise ConfigError(
+                    f"message {m} part {p} is neither {{'type': 'text', 'text': str}} nor an image as "
+                    f"yatt.rl.agents.envs.normalized makes it (got {part!r:.120})"
+                )
+
+
+def _decoded(images: Sequence[bytes]) -> list[Any]:
+    """Encoded images as RGB PIL images; ``ConfigError`` for one that does not decode."""
+    import PIL.Image
+
+    out = []
+    for i, data in enumerate(images):
+        try:
+            with PIL.Image.open(io.BytesIO(data)) as image:
+                out.append(image.convert("RGB"))
+        except (OSError, ValueError, PIL.Image.DecompressionBombError) as e:
+            raise ConfigError(f"an observation's image {i} ({len(data)} bytes) does not decode: {e}") from e
+    return out
 
 
 def _input_ids(out: object) -> list[int]:

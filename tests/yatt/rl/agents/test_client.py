@@ -121,7 +121,7 @@ async def test_a_hanging_or_raising_function_ends_its_episode_and_generation_is_
 
     fast = policy(tokenizer)
 
-    async def slow_policy(ids: list[int], budget: int) -> Any:
+    async def slow_policy(ids: list[int], budget: int, observed: Any = None) -> Any:
         await asyncio.sleep(0.5)  # longer than the timeout: the policy's time, not the function's
         return await fast(ids, budget)
 
@@ -145,6 +145,18 @@ async def test_a_hanging_or_raising_function_ends_its_episode_and_generation_is_
 
     _, out = await play(runner(tokenizer, says_nothing), policy(tokenizer))
     assert out.info.ended == "env_error" and "returned 'yes'" in out.info.detail
+
+
+async def test_agent_code_that_sends_an_image_ends_its_episode_saying_so(tokenizer: Any) -> None:
+    async def shows(client: Any, row: dict[str, Any]) -> float:
+        await client.chat([{"role": "user", "content": "hi"}])
+        url = {"url": "data:image/png;base64,iVBORw0KGgo="}
+        await client.chat([{"role": "user", "content": [{"type": "image_url", "image_url": url}, {"type": "text", "text": "?"}]}])
+        return 1.0
+
+    _, out = await play(runner(tokenizer, shows), policy(tokenizer))
+    assert (out.info.ended, out.info.turns) == ("env_error", 1)
+    assert "message 0 holds an image" in out.info.detail and "env.class" in out.info.detail
 
 
 async def test_a_recorded_episode_replays_its_turns_without_generating(tokenizer: Any) -> None:

@@ -61,9 +61,11 @@ def runner(tokenizer: Any, **env: Any) -> EpisodeRunner:
 def policy(tokenizer: Any, text: str = "5", version: int = 2) -> Any:
     """Every turn says ``text`` then EOS, at ``version``; records the ids it was given."""
     seen: list[tuple[list[int], int]] = []
+    images: list[dict[str, Any]] = []
 
-    async def generate(ids: list[int], budget: int) -> Completion:
+    async def generate(ids: list[int], budget: int, observed: dict[str, Any] | None = None) -> Completion:
         seen.append((list(ids), budget))
+        images.append(dict(observed or {}))
         out = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id][:budget]
         return Completion(
             token_ids=torch.tensor(out, dtype=torch.int32), logprobs=torch.full((len(out),), -0.5),
@@ -72,11 +74,12 @@ def policy(tokenizer: Any, text: str = "5", version: int = 2) -> Any:
         )  # fmt: skip
 
     generate.seen = seen  # type: ignore[attr-defined]
+    generate.images = images  # type: ignore[attr-defined]
     return generate
 
 
 async def play(run: EpisodeRunner, env: Any, generate: Any, prompt_ids: list[int] | None = None) -> Trajectory:
-    ids = await run.start(env, seed=3, row={"prompt": "p"}, prompt_ids=prompt_ids or [1, 2])
+    ids, _ = await run.start(env, seed=3, row={"prompt": "p"}, prompt_ids=prompt_ids or [1, 2])
     return await run.run(env, ids, generate)
 
 
@@ -204,7 +207,7 @@ async def test_an_environment_with_snapshots_resumes_from_the_last_recorded_stat
     async def record(turn: Any) -> None:
         recorded.append(turn)
 
-    prompt = await run.start(Saved(turns=4), seed=3, row={}, prompt_ids=[1, 2])
+    prompt, _ = await run.start(Saved(turns=4), seed=3, row={}, prompt_ids=[1, 2])
     whole = await run.run(Saved(turns=4), prompt, policy(tokenizer), record=record)
     assert [t.env_state for t in recorded] == [b"1", b"2", b"3", b""]  # (none after the last: nothing resumes it)
     Saved.steps_taken, Saved.restored = 0, []
@@ -226,7 +229,7 @@ async def test_a_restore_that_fails_runs_the_episode_again_from_its_start(tokeni
     async def record(turn: Any) -> None:
         recorded.append(turn)
 
-    prompt = await run.start(Saved(turns=4), seed=3, row={}, prompt_ids=[1, 2])
+    prompt, _ = await run.start(Saved(turns=4), seed=3, row={}, prompt_ids=[1, 2])
     await run.run(Saved(turns=4), prompt, policy(tokenizer), record=record)
     with pytest.raises(Diverged, match=r"Unrestorable.restore failed \(OSError: the save is gone\)"):
         await run.run(Unrestorable(turns=4), prompt, policy(tokenizer), recorded=recorded[:2])

@@ -292,7 +292,7 @@ def test_an_observation_needs_a_message_with_a_role_and_content() -> None:
     renderer = Renderer(chatml_tokenizer(SMOLLM2))
     with pytest.raises(ConfigError, match="at least one message"):
         renderer.observation([], ended_with_eos=True)
-    with pytest.raises(ConfigError, match="'role' and 'content'"):
+    with pytest.raises(ConfigError, match="'role' and a 'content'"):
         renderer.observation([{"role": "tool"}], ended_with_eos=True)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import functools
 import linecache
@@ -31,7 +32,7 @@ from yatt.errors import RUN_STOPPED_EXIT, ConfigError, RunStopped, StorageError
 from yatt.runtime import run_dir as names
 from yatt.runtime import trace
 from yatt.runtime.actor import Actor, cancel
-from yatt.runtime.lifetime import die_with_parent
+from yatt.runtime.lifetime import die_with_parent, release_freed_memory
 from yatt.runtime.registry import Directory, Registration
 from yatt.runtime.transport import Transport
 
@@ -129,22 +130,29 @@ def _prompt_sets(cfg: RunConfig, run_dir: Path, model_path: Path) -> tuple[list[
     return sets if sets is not None else load_prompt_sets(cfg.data, str(model_path))
 
 
+def _shard_images(prompts: list[Prompt], shard: int, shards: int) -> list[Prompt]:
+    """A controller's prompts: every one (a key's prompt_index is its position), the images
+    (a VLM's pixels) of its own shard's only (index % shards), the only ones it sends."""
+    return [p if i % shards == shard or not p.mm_inputs else dataclasses.replace(p, mm_inputs={}) for i, p in enumerate(prompts)]
+
+
 async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from yatt.rl.buffer import Buffer
 
-    prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
+    num_prompts, num_eval_prompts = (len(s) for s in _prompt_sets(cfg, args.run_dir, args.model_path))
+    release_freed_memory()  # (it needs their count only: a VLM's prompts hold their pixels)
     actor = Buffer(
         transport,
         endpoint=f"tcp://{args.host}:*",
         config=cfg.buffer,
-        num_prompts=len(prompts),
+        num_prompts=num_prompts,
         num_shards=cfg.controller.num_controllers,
         world_size=world_size_of(read_plan(args.run_dir), cfg.trainer.world_size),  # re-planned: the plan's
         seed=cfg.run.seed,
         ledger_path=args.run_dir / names.LEDGER,
         resume_from=args.resume,
         total_steps=0 if args.eval_only else cfg.run.steps,
-        num_eval_prompts=len(eval_prompts),
+        num_eval_prompts=num_eval_prompts,
         eval_config=cfg.eval,
         keep_groups=cfg.trainer.share_prompt is not False,  # its prompt computed once, in one micro-batch
     )
@@ -154,7 +162,9 @@ async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport
 async def _controller(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:
     from yatt.rl.controller import Controller, ControllerActor
 
-    prompts, eval_prompts = _prompt_sets(cfg, args.run_dir, args.model_path)
+    shards = cfg.controller.num_controllers
+    prompts, eval_prompts = (_shard_images(s, args.index, shards) for s in _prompt_sets(cfg, args.run_dir, args.model_path))
+    release_freed_memory()
     async with Directory(transport, args.registry, name=f"controller-{args.index}") as directory:
         controller = Controller(
             cfg.controller,

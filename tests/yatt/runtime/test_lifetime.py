@@ -42,3 +42,22 @@ def test_a_child_dies_with_its_sigkilled_parent() -> None:
     proc.kill()
     proc.wait()
     assert_gone([child], "a process outlived its SIGKILLed parent")
+
+
+def test_release_freed_memory_hands_freed_heap_back() -> None:
+    """Freed heap below a live allocation stays in the process (glibc trims only its top)
+    until ``release_freed_memory``."""
+    script = (
+        "import os\n"
+        "from yatt.runtime.lifetime import release_freed_memory\n"
+        "rss = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024\n"
+        "blocks = [os.urandom(2048) for _ in range(100_000)]\n"  # ~200 MB of malloc'd (not pymalloc'd) blocks
+        "pin = os.urandom(2048)\n"  # above them: the heap's top cannot shrink past it
+        "full = rss(); del blocks\n"
+        "kept = rss(); release_freed_memory()\n"
+        "print(full, kept, rss())\n"
+    )
+    out = _python(script).stdout
+    full, kept, released = (int(v) for v in out.split())
+    assert kept > full - 50, f"RSS {full} -> {kept} MB after the free: the C library trimmed by itself"
+    assert released < kept - 150, f"RSS {kept} -> {released} MB: the freed heap was not handed back"

@@ -62,3 +62,16 @@ def test_an_environment_shows_the_policy_pictures_between_turns(tmp_path: Path) 
     assert shown and all("Here are the red ones alone" in r["turns"][0]["observation"] for r in shown)
     # The second picture's 64 placeholder tokens are in the trained row (the text is ~20 tokens).
     assert all(r["length"] > 64 for r in shown)
+
+
+def test_agent_code_on_prompts_with_images_generates_from_its_own_text_prompt(tmp_path: Path) -> None:
+    """Agent code (env.episode) renders its own text prompt: its turns go without the data
+    prompt's pictures (with them, the engine met pixels without placeholders and raised)."""
+    run_dir = tmp_path / "vlm-agent-code"
+    items = ["run.steps=2", "run.eval_every=0", "model.warm_start_steps=10", "buffer.filter=none", 'env.class=""',
+             "env.episode=yatt.rl.agents.games:guess_agent", "env.inline=true"]  # fmt: skip
+    finish(launch_run(run_dir, [str(ROOT / "examples" / "vlm_agent.yaml"), *items]), run_dir)
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["ended"] in ("done", "max_turns") for r in rollouts)
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("controller-*.log"))
+    assert "generator raised" not in logs

@@ -479,6 +479,7 @@ class Controller:
             return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
 
         if isinstance(runner, AgentRunner):  # the user's code drives the episode
+            prompt_mm.clear()  # (its calls are text: it renders its own prompt, without the data prompt's images)
             try:
                 if runner.config.inline:
                     ids, trajectory = await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))

@@ -252,6 +252,31 @@ def without_placeholders(logits: torch.Tensor, token_ids: torch.Tensor | None) -
     return logits.index_fill(-1, token_ids, NEVER_SAMPLED)
 
 
+class ImageTokens:
+    """A model's image placeholders as the engine and the trainer both treat them: whether
+    it is a vision-language model, its placeholder ids (``placeholder_token_ids``) kept out of
+    the distribution (``masked``), and the inputs of a forward with images (``inputs``)."""
+
+    def __init__(self, model: Any, device: torch.device | str) -> None:
+        self._config = model.config
+        self.vision = is_vision_language(model.config)
+        never = placeholder_token_ids(model.config)
+        self.never = torch.tensor(never, device=device) if never else None
+        self._typed = self.vision and takes_modality_types(model)  # Qwen2-VL: mm_token_type_ids with the images
+
+    def inputs(self, input_ids: torch.Tensor, mm: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``mm`` (the images, processed) and, for a model that reads them, the
+        ``mm_token_type_ids`` of ``input_ids`` (``modality_types``); {} without images."""
+        out = dict(mm)
+        if out and self._typed:
+            out["mm_token_type_ids"] = modality_types(self._config, input_ids)
+        return out
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``without_placeholders(logits, the placeholder ids)``."""
+        return without_placeholders(logits, self.never)
+
+
 def load_model(path: str | Path, **kwargs: Any) -> PreTrainedModel:
     """The model at ``path``: ``AutoModelForImageTextToText`` for a vision-language config,
     else ``AutoModelForCausalLM``; ``kwargs`` go to ``from_pretrained``."""

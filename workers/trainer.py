@@ -127,14 +127,7 @@ from transformers import (
 from protocols.messages import MicroBatch, WeightUpdate
 from workers.engines.base import resolve_dtype
 from workers.lora import is_adapter, with_lora
-from workers.models import (
-    is_vision_language,
-    load_model,
-    modality_types,
-    placeholder_token_ids,
-    takes_modality_types,
-    without_placeholders,
-)
+from workers.models import ImageTokens, is_vision_language, load_model
 from workers.packing import Layout, forward_flops, pack, padding_problem, plan, share_prompts, unpack
 from yatt.errors import ConfigError, ProtocolError, YattError, storage_error
 from yatt.rl import rl_math
@@ -194,10 +187,8 @@ class Trainer:
         random.seed(trainer.seed)
         self._lora = model.lora if model.lora.rank else None
         policy = _load(load_model, model_path)
-        self.vision = is_vision_language(policy.config)
-        self._typed = self.vision and takes_modality_types(policy)  # Qwen2-VL: mm_token_type_ids with the images
-        never = placeholder_token_ids(policy.config)  # a VLM's image tokens, which engines never sample
-        self._never = torch.tensor(never, device=self.device) if never else None
+        self._images = ImageTokens(policy, self.device)  # a VLM's image tokens, which engines never sample
+        self.vision = self._images.vision
         if self.vision and algorithm.advantage == "gae":
             raise ConfigError(
                 "algorithm.advantage=gae needs a critic (a token-classification head), which transformers has "
@@ -462,9 +453,8 @@ class Trainer:
         ``workers.packing``), else padded as given (the map is the identity)."""
         ids, attention = b.ids, b.attention
         if b.mm:  # images: the padded batch (a model's image positions, e.g. Qwen2-VL's 3D rope, come from it)
-            types = {"mm_token_type_ids": modality_types(self.policy.config, ids)} if self._typed else {}
-            logits = module(input_ids=ids, attention_mask=attention, use_cache=False, **b.mm, **types).logits
-            return without_placeholders(logits, self._never), ids, lambda x: x
+            logits = module(input_ids=ids, attention_mask=attention, use_cache=False, **self._images.inputs(ids, b.mm)).logits
+            return self._images.masked(logits), ids, lambda x: x
         layout = self._shared_layout(b)
         if layout is not None:
             logits = module(
@@ -473,15 +463,15 @@ class Trainer:
                 position_ids=layout.position_ids,
                 use_cache=False,
             ).logits
-            return without_placeholders(logits, self._never), layout.input_ids, layout.back
+            return self._images.masked(logits), layout.input_ids, layout.back
         if not self._config.pack:
             logits = module(input_ids=ids, attention_mask=attention, use_cache=False).logits
-            return without_placeholders(logits, self._never), ids, lambda x: x
+            return self._images.masked(logits), ids, lambda x: x
         packing = plan(attention)
         packed = pack(ids, packing)  # [1, N]
         # No attention mask: transformers reads the restarting positions as sequence bounds.
         logits = module(input_ids=packed, position_ids=packing.position_ids, use_cache=False).logits
-        return without_placeholders(logits, self._never), packed, lambda x: unpack(x, packing, shifted=True)
+        return self._images.masked(logits), packed, lambda x: unpack(x, packing, shifted=True)
 
     def _shared_layout(self, b: _Batch) -> Layout | None:
         """The batch's shared-prompt layout, chosen once per batch: always with

@@ -44,14 +44,7 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import is_adapter, with_lora
-from workers.models import (
-    is_vision_language,
-    load_model,
-    modality_types,
-    placeholder_token_ids,
-    takes_modality_types,
-    without_placeholders,
-)
+from workers.models import ImageTokens, load_model, without_placeholders
 from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
 
@@ -173,10 +166,7 @@ class HFEngine:
         )
         self._names = WeightNames(model)
         self._max_len: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self._vision = is_vision_language(model.config)
-        never = placeholder_token_ids(model.config)  # a VLM's image tokens: never sampled
-        self._never = torch.tensor(never, device=self._device) if never else None
-        self._typed = self._vision and takes_modality_types(model)  # Qwen2-VL: mm_token_type_ids with the images
+        self._images = ImageTokens(model, self._device)  # a VLM's image tokens: never sampled
         self._seeds = random.Random(config.seed)
         self.prompt_tokens_saved = 0  # prompt tokens not prefilled again for a request's other samples
 
@@ -190,7 +180,7 @@ class HFEngine:
         self._live_model()
         validate_requests(requests, self._max_len)
         with_images = next((i for i, r in enumerate(requests) if r.mm_inputs), None)
-        if with_images is not None and not self._vision:
+        if with_images is not None and not self._images.vision:
             raise ProtocolError(
                 f"requests[{with_images}] carries images (mm_inputs), but this engine's model is a text model; "
                 "serve a vision-language model (model.path)"
@@ -234,7 +224,8 @@ class HFEngine:
             output_logits=True,
             stop_strings=list(sp.stop) or None,
         )
-        processors = LogitsProcessorList([_Never(self._never)] if self._never is not None else [])
+        never = self._images.never
+        processors = LogitsProcessorList([_Never(never)] if never is not None else [])
         if not greedy:
             processors.append(
                 _RowSampler(
@@ -248,9 +239,7 @@ class HFEngine:
         input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
         # The rows' images in row order (each of a request's rows repeats its prompt's), as a
         # processor batches them; with images every row prefills (the model merges them there).
-        mm = _rows_mm_inputs([r.mm_inputs for r in requests], rows, self._device)
-        if mm and self._typed:
-            mm["mm_token_type_ids"] = modality_types(model.config, input_ids)
+        mm = self._images.inputs(input_ids, _rows_mm_inputs([r.mm_inputs for r in requests], rows, self._device))
         shared = None if mm else self._shared_prefill(input_ids, attention_mask, first_row, rows)
         out = model.generate(
             input_ids=input_ids,
@@ -268,7 +257,7 @@ class HFEngine:
         temperature = 1.0 if greedy else sp.temperature
         logprobs = torch.stack(
             [
-                torch.log_softmax(without_placeholders(step_logits.float(), self._never) / temperature, dim=-1)
+                torch.log_softmax(self._images.masked(step_logits.float()) / temperature, dim=-1)
                 .gather(1, new_tokens[:, t : t + 1])
                 .squeeze(1)  # [R]
                 for t, step_logits in enumerate(out.logits)  # L x [R, V] raw logits
@@ -354,11 +343,9 @@ class HFEngine:
         if not completion_ids:
             return []
         ids = torch.tensor([prompt_ids + completion_ids], dtype=torch.long, device=self._device)  # [1, T]
-        mm = {name: t.to(self._device) for name, t in (mm_inputs or {}).items()}
-        if mm and self._typed:
-            mm["mm_token_type_ids"] = modality_types(model.config, ids)
+        mm = self._images.inputs(ids, {name: t.to(self._device) for name, t in (mm_inputs or {}).items()})
         logits: torch.Tensor = model(input_ids=ids, **mm).logits[0, len(prompt_ids) - 1 : -1].float()  # [L, V]
-        logits = without_placeholders(logits, self._never)
+        logits = self._images.masked(logits)
         targets = ids[0, len(prompt_ids) :].unsqueeze(1)  # [L, 1]
         logprobs: list[float] = torch.log_softmax(logits, dim=-1).gather(1, targets).squeeze(1).cpu().tolist()
         return logprobs

@@ -72,6 +72,7 @@ from yatt.rl.agents.remote import RemoteEnv
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
 from yatt.rl.evaluation import GREEDY, eval_version, is_eval
+from yatt.rl.vision import concatenated
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.registry import Directory
 from yatt.runtime.transport import Transport
@@ -153,12 +154,6 @@ def tensors(mm_inputs: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 def _same_images(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[name], b[name]) for name in a)
-
-
-def _joined(*parts: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Images of consecutive spans of a row: each name's arrays concatenated in order."""
-    present = [p for p in parts if p]
-    return {name: np.concatenate([p[name] for p in present]) for name in present[0]} if present else {}
 
 
 def scored_episodes(
@@ -474,7 +469,7 @@ class Controller:
             turn = GenerateRequest(
                 group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
                 min_policy_version=request.min_policy_version,
-                mm_inputs=tensors(_joined(prompt_mm, observed)),  # the prompt's images, then the observations'
+                mm_inputs=tensors(concatenated([prompt_mm, observed])),  # the prompt's images, then the observations'
             )  # fmt: skip
             return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
 

@@ -29,8 +29,20 @@ if TYPE_CHECKING:
 Messages = Sequence[Mapping[str, Any]]
 """Chat messages, a content being text or parts (yatt.rl.data.Messages)."""
 
-TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+_TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 """Processor outputs that describe the text, not the images (the ids are re-made per batch)."""
+
+
+def image_outputs(out: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A processor's outputs for the images (not the text's: ``_TEXT_OUTPUTS``), by name."""
+    return {name: np.ascontiguousarray(value) for name, value in out.items() if name not in _TEXT_OUTPUTS}
+
+
+def concatenated(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Processed images of consecutive spans (a prompt's, then observations'), as one span's:
+    each name's arrays concatenated along their first dimension, in order; {} for none."""
+    present = [p for p in parts if p]
+    return {name: np.concatenate([p[name] for p in present]) for name in present[0]} if present else {}
 
 
 class Encoded(NamedTuple):
@@ -79,8 +91,6 @@ def encode(
             reason = " ".join(str(e).split())  # one line
             raise ConfigError(f"{field}: row {index}: the processor at {model_dir!r} refused it: {reason}") from e
         ids = [int(t) for t in out["input_ids"][0]]
-        mm_inputs = {
-            name: np.ascontiguousarray(value) for name, value in out.items() if name not in TEXT_OUTPUTS
-        }
+        mm_inputs = image_outputs(out)
         encoded.append(Encoded(ids, mm_inputs, ids.count(image_token) if image_token is not None else 0))
     return encoded

@@ -53,6 +53,7 @@ from yatt.rl.agents.envs import (
 )
 from yatt.rl.agents.render import Renderer
 from yatt.rl.config import EnvConfig
+from yatt.rl.vision import concatenated
 
 Generate = Callable[[list[int], int, dict[str, np.ndarray]], Awaitable[Completion]]
 """(the episode's ids so far, the turn's token budget, the images of its observations so far,
@@ -101,9 +102,7 @@ class Row:
     @property
     def mm(self) -> dict[str, np.ndarray]:
         """The row's images after its prompt's, processed: each name's arrays concatenated."""
-        if not self.pixels:
-            return {}
-        return {name: np.concatenate([p[name] for p in self.pixels]) for name in self.pixels[0]}
+        return concatenated(self.pixels)
 
     def add(self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1) -> None:
         own = logprobs is not None

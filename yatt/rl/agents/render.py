@@ -56,7 +56,7 @@ import numpy as np
 
 from yatt.errors import ConfigError
 from yatt.rl.agents.envs import Message, images_of
-from yatt.rl.vision import TEXT_OUTPUTS
+from yatt.rl.vision import image_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -100,6 +100,7 @@ class Renderer:
             raise ConfigError(f"env.protocol must be one of {', '.join(_PROTOCOLS)} (got {protocol!r})")
         self.tokenizer = tokenizer
         self.processor = processor
+        self._last: tuple[tuple[bytes, ...], dict[str, np.ndarray]] | None = None  # the last images expanded, processed
         self.protocol: Protocol = protocol
         self.name = name or str(getattr(tokenizer, "name_or_path", "") or "") or "the tokenizer"
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -273,6 +274,7 @@ class Renderer:
             )  # fmt: skip
         except (ValueError, TypeError) as e:
             raise ConfigError(f"the processor of {self.name} refused an observation's {len(images)} image(s): {' '.join(str(e).split())}") from e
+        self._last = (tuple(images), image_outputs(out))  # (``pixels`` of the same images next: not processed again)
         return [int(t) for t in out["input_ids"][0]]
 
     def _takes(self, images: list[bytes]) -> None:
@@ -288,10 +290,11 @@ class Renderer:
         or patch: what the model takes beside the ids that ``observation`` expanded; {} for none."""
         if not images:
             return {}
+        if self._last is not None and self._last[0] == tuple(images):
+            return self._last[1]
         assert self.processor is not None  # (``observation`` refused images without one)
         token = getattr(self.processor, "image_token", None)
-        out = self.processor(text=[str(token) * len(images)], images=_decoded(images), return_tensors="np")
-        return {name: np.ascontiguousarray(value) for name, value in out.items() if name not in TEXT_OUTPUTS}
+        return image_outputs(self.processor(text=[str(token) * len(images)], images=_decoded(images), return_tensors="np"))
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids without the tokenizer's added BOS/EOS; special tokens written in the

@@ -32,11 +32,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Literal
 
@@ -88,7 +92,7 @@ from yatt.placement.plan import ClusterSpec, Plan
 from yatt.rl.checkpoints import withdraw_checkpoint_request
 from yatt.runtime import run_dir as names
 from yatt.runtime import trace
-from yatt.runtime.lifetime import release_freed_memory
+from yatt.runtime.lifetime import die_with_parent
 from yatt.runtime.registry import Directory, Registry
 from yatt.runtime.transport import Transport
 
@@ -230,7 +234,6 @@ class LocalLauncher:
             self.fork_server.start()  # and the warm start (with world_size 0 after the plan: see _check)
         try:
             await self._check()
-            release_freed_memory()  # (the warm start's and the prompts' freed heap: ~190 MB of a tiny VLM run's)
             if self.plan is not None:
                 with writing(self.run_dir / names.PLAN):
                     write_plan(self.plan, self.run_dir)
@@ -281,11 +284,73 @@ class LocalLauncher:
                 await self._stop_all()
                 await registry.close()
 
+    CHECKED = ("cfg", "model_path", "prompt_tokens", "plan", "cluster", "gpu_slots")
+    """What the checks set on the launcher (``_checked``), sent back from the process they ran in."""
+
     async def _check(self) -> None:
-        """What can be checked before any process starts: the run dir, the model, the data
-        (read and tokenised here once; the roles read these prompts back from
-        ``<run_dir>/prompts.msgpack``), the placement, and what needs them together
-        (launch/checks.py). A failed write is a ``StorageError`` naming its path."""
+        """What can be checked before any process starts (``_checked``), in a process forked
+        from this one: the model's preparation, the prompts' tokenising, the plan's
+        measurements and the warm start import transformers' model code and build models
+        (a tiny VLM run's launcher held ~410 MB for the whole run after them, ~230 MB with
+        torch's import alone); in a child all of it goes when it exits. Its results come
+        back over a pipe, a ``ConfigError`` or ``StorageError`` as itself."""
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")  # this process's state as it is: a config, test doubles
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=self._check_in_child, args=(send,), name="yatt checks", daemon=True)
+        child.start()  # (from the event loop's thread: no other thread runs yet to hold a lock)
+        send.close()
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.to_thread(receive.recv)
+                except EOFError:
+                    await asyncio.to_thread(child.join)
+                    raise RuntimeError(
+                        f"the checks before the start exited without a result (exit code {child.exitcode}); "
+                        "its output is above"
+                    ) from None
+                if kind == "planned":
+                    if self.fork_server is not None and self.cfg.trainer.world_size == 0:
+                        # Started only now: its imports would take a core from the thread scaling the plan measured.
+                        self.fork_server.start()
+                elif kind == "raised":
+                    raise value
+                else:
+                    for name, attribute in value.items():
+                        setattr(self, name, attribute)
+                    return
+        finally:
+            receive.close()
+            if child.is_alive():
+                child.kill()  # cancelled (Ctrl-C) while it ran
+            await asyncio.to_thread(child.join)
+
+    def _check_in_child(self, send: Connection) -> None:
+        """The checks in the forked child: ``("planned", None)`` once the plan is made, then
+        ``("done", <the CHECKED attributes>)`` or ``("raised", <the exception>)``."""
+        asyncio._set_running_loop(None)  # the parent's loop, running in the thread that forked, is not this process's
+        die_with_parent(None)
+        try:
+            self._checked(lambda: send.send(("planned", None)))
+        except Exception as e:  # every error reaches the launcher, raised there
+            if not isinstance(e, ConfigError | StorageError):
+                e.add_note(f"(in the checks' process)\n{traceback.format_exc()}")
+            try:
+                pickle.loads(pickle.dumps(e))  # noqa: S301  # its own bytes, made just now
+            except Exception:  # an exception that does not cross as itself: its text
+                e = RuntimeError(f"{type(e).__name__}: {e}\n(in the checks' process)\n{traceback.format_exc()}")
+            send.send(("raised", e))
+            return
+        send.send(("done", {name: getattr(self, name) for name in self.CHECKED}))
+
+    def _checked(self, planned: Callable[[], None]) -> None:
+        """The checks: the run dir, the model, the data (read and tokenised here once; the
+        roles read these prompts back from ``<run_dir>/prompts.msgpack``), the placement
+        (``planned`` is called once the plan is made), what needs them together
+        (launch/checks.py), then the warm start. A failed write is a ``StorageError``
+        naming its path."""
         check_run_dir(self.run_dir, self.resume)
         check_config(self.cfg)
         if failpoint := os.environ.get(trace.FAILPOINT_ENV):
@@ -295,25 +360,21 @@ class LocalLauncher:
         with writing(self.run_dir):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / names.LOGS).mkdir(exist_ok=True)
-        self.model_path = await asyncio.to_thread(prepare_model, self.cfg, self.run_dir)
-        self.cfg = await asyncio.to_thread(with_builtin_scorer_models, self.cfg, self.run_dir)
+        self.model_path = prepare_model(self.cfg, self.run_dir)
+        self.cfg = with_builtin_scorer_models(self.cfg, self.run_dir)
         from workers.reward.scorers import check_custom_scorers
         from yatt.rl.data import PROMPT_SETS_FILE, load_prompt_sets, write_prompt_sets
 
-        sets = await asyncio.to_thread(load_prompt_sets, self.cfg.data, str(self.model_path))
-        await asyncio.to_thread(
-            write_prompt_sets, self.run_dir / PROMPT_SETS_FILE, self.cfg.data, str(self.model_path), sets
-        )  # the roles read them
+        sets = load_prompt_sets(self.cfg.data, str(self.model_path))
+        write_prompt_sets(self.run_dir / PROMPT_SETS_FILE, self.cfg.data, str(self.model_path), sets)  # the roles read them
         prompts = sets[0]
         self.prompt_tokens = sum(len(p.prompt_ids) for p in prompts) / max(1, len(prompts))
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
-        self.plan = await asyncio.to_thread(self.make_plan)
-        if self.fork_server is not None and self.cfg.trainer.world_size == 0:
-            # Started only now: its imports would take a core from the thread scaling the plan measured.
-            self.fork_server.start()
+        self.plan = self.make_plan()
+        planned()
         self.cfg = with_planned_ranks(self.cfg, self.plan)
         check_against(self.cfg, self.model_path, sets, self.world_size if self.processes().get("trainer") else 0)
-        await asyncio.to_thread(warm_start_once, self.cfg, self.model_path, prompts)
+        warm_start_once(self.cfg, self.model_path, prompts)
         if self.resume is not None:  # the steps after the checkpoint are trained again
             trim_metrics(self.run_dir, checkpoint_step(self.resume))
         self.cfg = with_run_keys(self.cfg, self.run_dir)

@@ -4,6 +4,7 @@ get one thread; an explicit setting wins) and, on a GPU machine, each process's 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from launch.config import load_run_config
 from launch.local import LocalLauncher
 from launch.placement.inputs import make_plan
 from launch.processes import Proc, role_threads
-from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, PeerLost
+from yatt.errors import RUN_STOPPED_EXIT, ActorFailed, ConfigError, PeerLost
 from yatt.placement.layouts import cpu_cluster, gpu_cluster
 from yatt.runtime.actor import cancel
 
@@ -274,3 +275,49 @@ def test_a_stopping_role_cancels_again_a_task_that_went_on_after_its_cancellatio
         return task.cancelled() and retried.is_set()
 
     assert asyncio.run(stop_while_a_request_fails()) == (sys.version_info < (3, 12))
+
+
+CHECKS = """
+import asyncio, json, sys
+from pathlib import Path
+from launch.config import load_run_config
+from launch.local import LocalLauncher
+launcher = LocalLauncher(load_run_config(None, ["run.fork_roles=false", "model.warm_start_steps=2"]), Path(sys.argv[1]))
+asyncio.run(launcher._check())
+print(json.dumps({
+    "imported": sorted(m for m in ("transformers", "workers.models") if m in sys.modules),
+    "model": (launcher.model_path / "config.json").is_file(), "prompt_tokens": launcher.prompt_tokens,
+    "plan": launcher.plan is not None, "ranks": launcher.cfg.trainer.world_size,
+}))
+"""
+
+
+def test_the_checks_run_in_a_child_that_takes_the_model_code_with_it(tmp_path: Path) -> None:
+    """The launcher prepares the model, tokenises the prompts, plans and warm-starts in a
+    forked child: it gets the results (the planned ranks in its config) but never imports
+    transformers' model code, which held ~180 MB of its memory for the whole run."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", CHECKS, str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["imported"] == [], result
+    assert result["model"] and result["plan"] and result["prompt_tokens"] > 5 and result["ranks"] >= 1, result
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "prompts.msgpack").is_file()
+
+
+def test_an_error_in_the_checks_child_is_raised_in_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config error comes back as itself (the launcher prints it as one line); any other
+    error with the child's traceback; the launcher still has no plan."""
+    bad_data = LocalLauncher(load_run_config(None, ["data.path=/nonexistent/prompts.jsonl", "run.fork_roles=false"]), tmp_path / "a")
+    with pytest.raises(ConfigError, match="data.path"):
+        asyncio.run(bad_data._check())
+    assert bad_data.plan is None
+
+    def broken(*args: object) -> None:
+        raise ValueError("the model went missing")
+
+    monkeypatch.setattr(launch.local, "prepare_model", broken)  # the child is forked: it has the patch
+    crashed = LocalLauncher(load_run_config(None, ["run.fork_roles=false"]), tmp_path / "b")
+    with pytest.raises(ValueError, match="the model went missing") as raised:
+        asyncio.run(crashed._check())
+    assert "in the checks' process" in "".join(raised.value.__notes__) and "in broken" in "".join(raised.value.__notes__)

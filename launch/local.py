@@ -39,14 +39,13 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Literal
 
 from launch.checks import advice, check_against, check_config
 from launch.config import RunConfig, dump_run_config
-from launch.forkserver import PRELOAD, ForkServer, RoleProcess, model_modules
+from launch.forkserver import PRELOAD, ForkServer, RoleProcess, become_forked_child, model_modules
 from launch.placement.adapter import Adapter
 from launch.placement.executor import PlanExecutor
 from launch.placement.inputs import make_plan, this_machine
@@ -92,7 +91,7 @@ from yatt.placement.plan import ClusterSpec, Plan
 from yatt.rl.checkpoints import withdraw_checkpoint_request
 from yatt.runtime import run_dir as names
 from yatt.runtime import trace
-from yatt.runtime.lifetime import die_with_parent
+from yatt.runtime.lifetime import die_with_parent, release_freed_memory
 from yatt.runtime.registry import Directory, Registry
 from yatt.runtime.transport import Transport
 
@@ -231,7 +230,7 @@ class LocalLauncher:
             )
             return 0
         if self.fork_server is not None and self.cfg.trainer.world_size != 0:  # its imports run beside the checks
-            self.fork_server.start()  # and the warm start (with world_size 0 after the plan: see _check)
+            self.fork_server.start()  # (with world_size 0 the plan measures thread scaling: see _check)
         try:
             await self._check()
             if self.plan is not None:
@@ -287,70 +286,56 @@ class LocalLauncher:
     CHECKED = ("cfg", "model_path", "prompt_tokens", "plan", "cluster", "gpu_slots")
     """What the checks set on the launcher (``_checked``), sent back from the process they ran in."""
 
-    async def _check(self) -> None:
-        """What can be checked before any process starts (``_checked``), in a process forked
-        from this one: the model's preparation, the prompts' tokenising, the plan's
-        measurements and the warm start import transformers' model code and build models
-        (a tiny VLM run's launcher held ~410 MB for the whole run after them, ~230 MB with
-        torch's import alone); in a child all of it goes when it exits. Its results come
-        back over a pipe, a ``ConfigError`` or ``StorageError`` as itself."""
-        import multiprocessing
+    def __getstate__(self) -> dict[str, object]:
+        """What the checks' process gets of this launcher (``_check``): its config and what
+        its plan is made from, not this process's fork server, sockets, processes and
+        executor."""
+        here = ("executor", "fork_server", "_store", "_registry", "procs")
+        return {name: value for name, value in self.__dict__.items() if name not in here}
 
-        context = multiprocessing.get_context("fork")  # this process's state as it is: a config, test doubles
-        receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=self._check_in_child, args=(send,), name="yatt checks", daemon=True)
-        child.start()  # (from the event loop's thread: no other thread runs yet to hold a lock)
+    async def _check(self) -> None:
+        """What can be checked before any process starts (``_checked``). Preparing the model,
+        tokenising the prompts, the plan's measurements and the warm start import
+        transformers' model code and build models: a tiny VLM run's launcher held ~410 MB
+        for the whole run after them, ~230 MB with torch's import alone. So where roles are
+        forked (a CPU machine), the checks run in a process forked from the fork server
+        (its imports made once, no OpenMP threads started: a fork of a process whose
+        OpenMP pool ran hangs at its child's first parallel region) and take that memory
+        with them when they exit; their results come back over a pipe, a ``ConfigError``
+        or ``StorageError`` as itself. Elsewhere (``run.fork_roles=false``, SLURM, a GPU
+        machine: the server sees no GPU) they run here."""
+        if self.fork_server is None or _sees_gpus():
+            await asyncio.to_thread(self._checked)
+            release_freed_memory()  # (the warm start's and the prompts' freed heap: ~190 MB of a tiny VLM run's)
+            if self.fork_server is not None:
+                self.fork_server.start()  # (auto: only now, as its imports would disturb the plan's thread scaling)
+            return
+        receive, send = self.fork_server.pipe()
+        child = self.fork_server.call(_check_in_child, self, send, dict(os.environ), name="yatt checks")
         send.close()
         try:
-            while True:
-                try:
-                    kind, value = await asyncio.to_thread(receive.recv)
-                except EOFError:
-                    await asyncio.to_thread(child.join)
-                    raise RuntimeError(
-                        f"the checks before the start exited without a result (exit code {child.exitcode}); "
-                        "its output is above"
-                    ) from None
-                if kind == "planned":
-                    if self.fork_server is not None and self.cfg.trainer.world_size == 0:
-                        # Started only now: its imports would take a core from the thread scaling the plan measured.
-                        self.fork_server.start()
-                elif kind == "raised":
-                    raise value
-                else:
-                    for name, attribute in value.items():
-                        setattr(self, name, attribute)
-                    return
+            try:
+                kind, value = await asyncio.to_thread(receive.recv)
+            except EOFError:
+                await asyncio.to_thread(child.join)
+                raise RuntimeError(
+                    f"the checks before the start exited without a result (exit code {child.exitcode}); its output is above"
+                ) from None
+            if kind == "raised":
+                raise value
+            for name, attribute in value.items():
+                setattr(self, name, attribute)
         finally:
             receive.close()
             if child.is_alive():
                 child.kill()  # cancelled (Ctrl-C) while it ran
             await asyncio.to_thread(child.join)
 
-    def _check_in_child(self, send: Connection) -> None:
-        """The checks in the forked child: ``("planned", None)`` once the plan is made, then
-        ``("done", <the CHECKED attributes>)`` or ``("raised", <the exception>)``."""
-        asyncio._set_running_loop(None)  # the parent's loop, running in the thread that forked, is not this process's
-        die_with_parent(None)
-        try:
-            self._checked(lambda: send.send(("planned", None)))
-        except Exception as e:  # every error reaches the launcher, raised there
-            if not isinstance(e, ConfigError | StorageError):
-                e.add_note(f"(in the checks' process)\n{traceback.format_exc()}")
-            try:
-                pickle.loads(pickle.dumps(e))  # noqa: S301  # its own bytes, made just now
-            except Exception:  # an exception that does not cross as itself: its text
-                e = RuntimeError(f"{type(e).__name__}: {e}\n(in the checks' process)\n{traceback.format_exc()}")
-            send.send(("raised", e))
-            return
-        send.send(("done", {name: getattr(self, name) for name in self.CHECKED}))
-
-    def _checked(self, planned: Callable[[], None]) -> None:
+    def _checked(self) -> None:
         """The checks: the run dir, the model, the data (read and tokenised here once; the
-        roles read these prompts back from ``<run_dir>/prompts.msgpack``), the placement
-        (``planned`` is called once the plan is made), what needs them together
-        (launch/checks.py), then the warm start. A failed write is a ``StorageError``
-        naming its path."""
+        roles read these prompts back from ``<run_dir>/prompts.msgpack``), the placement,
+        what needs them together (launch/checks.py), then the warm start. A failed write is
+        a ``StorageError`` naming its path."""
         check_run_dir(self.run_dir, self.resume)
         check_config(self.cfg)
         if failpoint := os.environ.get(trace.FAILPOINT_ENV):
@@ -371,7 +356,6 @@ class LocalLauncher:
         self.prompt_tokens = sum(len(p.prompt_ids) for p in prompts) / max(1, len(prompts))
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         self.plan = self.make_plan()
-        planned()
         self.cfg = with_planned_ranks(self.cfg, self.plan)
         check_against(self.cfg, self.model_path, sets, self.world_size if self.processes().get("trainer") else 0)
         warm_start_once(self.cfg, self.model_path, prompts)
@@ -687,3 +671,31 @@ class LocalLauncher:
                 )  # fmt: skip
                 signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+
+
+def _check_in_child(launcher: LocalLauncher, send: Connection, environ: dict[str, str]) -> None:
+    """``launcher._checked()`` in a process forked from the fork server, with the launcher's
+    environment; sends ``("done", <its CHECKED attributes>)`` or ``("raised", <the error>)``."""
+    become_forked_child()
+    die_with_parent(os.getppid())  # the server, which dies with the launcher
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        launcher._checked()
+    except Exception as e:  # every error reaches the launcher, raised there
+        if not isinstance(e, ConfigError | StorageError):
+            e.add_note(f"(in the checks' process)\n{traceback.format_exc()}")
+        try:
+            pickle.loads(pickle.dumps(e))  # noqa: S301  # its own bytes, made just now
+        except Exception:  # an exception that does not cross as itself: its text
+            e = RuntimeError(f"{type(e).__name__}: {e}\n(in the checks' process)\n{traceback.format_exc()}")
+        send.send(("raised", e))
+        return
+    send.send(("done", {name: getattr(launcher, name) for name in launcher.CHECKED}))
+
+
+def _sees_gpus() -> bool:
+    """Whether torch sees a GPU here (without starting CUDA in this process)."""
+    import torch
+
+    return bool(torch.cuda.is_available())

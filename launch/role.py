@@ -133,7 +133,10 @@ def _prompt_sets(cfg: RunConfig, run_dir: Path, model_path: Path) -> tuple[list[
 def _shard_images(prompts: list[Prompt], shard: int, shards: int) -> list[Prompt]:
     """A controller's prompts: every one (a key's prompt_index is its position), the images
     (a VLM's pixels) of its own shard's only (index % shards), the only ones it sends."""
-    return [p if i % shards == shard or not p.mm_inputs else dataclasses.replace(p, mm_inputs={}) for i, p in enumerate(prompts)]
+    return [
+        p if i % shards == shard or not p.mm_inputs else dataclasses.replace(p, mm_inputs={}, images=[])
+        for i, p in enumerate(prompts)
+    ]
 
 
 async def _buffer(cfg: RunConfig, args: argparse.Namespace, transport: Transport, stop: asyncio.Event) -> None:

@@ -113,6 +113,9 @@ class GenerateRequest(Message):
     # name (pixel_values [images, 3, H, W] or [patches, D] float32, image_grid_thw [images, 3]
     # int64, ...), first dimension per image or patch; empty for text (yatt.rl.data.Prompt.mm_inputs).
     mm_inputs: dict[str, Tensor] = field(default_factory=dict)
+    # The same images encoded (PNG), in order, for an engine that processes them itself (vLLM:
+    # generator.backend=vllm); empty otherwise (yatt.rl.data.Prompt.images).
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

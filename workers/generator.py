@@ -140,7 +140,10 @@ class Generator(Actor):
         if not batch:
             return
         requests = [
-            PromptRequest(prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling, mm_inputs=msg.mm_inputs)
+            PromptRequest(
+                prompt_ids=msg.prompt_ids.tolist(), n=msg.n, sampling=msg.sampling, mm_inputs=msg.mm_inputs,
+                images=msg.images,
+            )
             for msg, _ in batch
         ]
         failed: Exception | None = None

@@ -220,6 +220,14 @@ def placeholder_token_ids(config: Any) -> list[int]:
     return sorted({token for token, _ in _placeholders(config)})
 
 
+def image_placeholder(config: Any) -> int | None:
+    """The token id that stands for one image's features in a vision-language model's
+    input, each expanded to the image's count by the processor (LLaVA's ``image_token_id``
+    or ``image_token_index``, Qwen2-VL's ``image_token_id``); None for a text model."""
+    images = [token for token, kind in _placeholders(config) if kind == 1] if is_vision_language(config) else []
+    return images[0] if images else None
+
+
 def takes_modality_types(model: Any) -> bool:
     """Whether the model's forward reads ``mm_token_type_ids`` (Qwen2-VL's and its
     successors' 3D rope: which tokens are image or video placeholders); peft's wrapper seen

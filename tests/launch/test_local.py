@@ -279,45 +279,55 @@ def test_a_stopping_role_cancels_again_a_task_that_went_on_after_its_cancellatio
 
 CHECKS = """
 import asyncio, json, sys
+import torch
 from pathlib import Path
 from launch.config import load_run_config
 from launch.local import LocalLauncher
-launcher = LocalLauncher(load_run_config(None, ["run.fork_roles=false", "model.warm_start_steps=2"]), Path(sys.argv[1]))
+torch.ones(256, 256) @ torch.ones(256, 256)  # this process's OpenMP threads started: a fork of it would hang in them
+launcher = LocalLauncher(load_run_config(None, ["model.warm_start_steps=2", *sys.argv[2:]]), Path(sys.argv[1]))
 asyncio.run(launcher._check())
 print(json.dumps({
-    "imported": sorted(m for m in ("transformers", "workers.models") if m in sys.modules),
+    "imported": sorted(m for m in ("transformers.modeling_utils", "workers.models") if m in sys.modules),
     "model": (launcher.model_path / "config.json").is_file(), "prompt_tokens": launcher.prompt_tokens,
     "plan": launcher.plan is not None, "ranks": launcher.cfg.trainer.world_size,
 }))
 """
 
 
-def test_the_checks_run_in_a_child_that_takes_the_model_code_with_it(tmp_path: Path) -> None:
-    """The launcher prepares the model, tokenises the prompts, plans and warm-starts in a
-    forked child: it gets the results (the planned ranks in its config) but never imports
-    transformers' model code, which held ~180 MB of its memory for the whole run."""
-    run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-c", CHECKS, str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def checks(run_dir: Path, *overrides: str) -> dict[str, object]:
+    done = subprocess.run([sys.executable, "-c", CHECKS, str(run_dir), *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["imported"] == [], result
-    assert result["model"] and result["plan"] and result["prompt_tokens"] > 5 and result["ranks"] >= 1, result
     assert (run_dir / "config.yaml").is_file() and (run_dir / "prompts.msgpack").is_file()
+    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    assert result["model"] and result["plan"] and float(result["prompt_tokens"]) > 5, result  # type: ignore[arg-type]
+    return result
 
 
-def test_an_error_in_the_checks_child_is_raised_in_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checks_run_in_a_child_of_the_fork_server_that_takes_the_model_code_with_it(tmp_path: Path) -> None:
+    """Where roles are forked, the launcher prepares the model, tokenises the prompts, plans
+    (the planned ranks come back in its config) and warm-starts in a process forked from the
+    fork server, and never imports transformers' model code, which held ~180 MB of its
+    memory for the whole run; with run.fork_roles=false it does all that itself."""
+    forked = checks(tmp_path / "forked")
+    assert forked["imported"] == [] and int(forked["ranks"]) >= 1, forked  # type: ignore[call-overload]
+    here = checks(tmp_path / "here", "run.fork_roles=false")
+    assert here["imported"] == ["transformers.modeling_utils", "workers.models"] and int(here["ranks"]) >= 1, here  # type: ignore[call-overload]
+
+
+class PlanlessLauncher(LocalLauncher):
+    def make_plan(self) -> None:
+        raise ValueError("the plan went missing")
+
+
+def test_an_error_in_the_checks_child_is_raised_in_the_launcher(tmp_path: Path) -> None:
     """A config error comes back as itself (the launcher prints it as one line); any other
     error with the child's traceback; the launcher still has no plan."""
-    bad_data = LocalLauncher(load_run_config(None, ["data.path=/nonexistent/prompts.jsonl", "run.fork_roles=false"]), tmp_path / "a")
+    bad_data = LocalLauncher(load_run_config(None, ["data.path=/nonexistent/prompts.jsonl"]), tmp_path / "a")
     with pytest.raises(ConfigError, match="data.path"):
         asyncio.run(bad_data._check())
     assert bad_data.plan is None
-
-    def broken(*args: object) -> None:
-        raise ValueError("the model went missing")
-
-    monkeypatch.setattr(launch.local, "prepare_model", broken)  # the child is forked: it has the patch
-    crashed = LocalLauncher(load_run_config(None, ["run.fork_roles=false"]), tmp_path / "b")
-    with pytest.raises(ValueError, match="the model went missing") as raised:
+    crashed = PlanlessLauncher(load_run_config(None, ["model.warm_start_steps=0"]), tmp_path / "b")
+    with pytest.raises(ValueError, match="the plan went missing") as raised:
         asyncio.run(crashed._check())
-    assert "in the checks' process" in "".join(raised.value.__notes__) and "in broken" in "".join(raised.value.__notes__)
+    notes = "".join(raised.value.__notes__)
+    assert "in the checks' process" in notes and "in make_plan" in notes, notes

@@ -39,6 +39,7 @@ from yatt.rl.config import (
 from yatt.rl.controller import tensors
 from yatt.rl.ledger import Ledger
 from yatt.rl.sampling import SamplingBuffer
+from yatt.rl.vision import png
 
 Prompt = tuple[list[int], dict[str, torch.Tensor]]
 
@@ -108,6 +109,42 @@ def test_the_engine_never_samples_an_image_placeholder_even_where_it_is_likelies
         for s in samples:  # the log-probs are those of the distribution sampled, which the trainer recomputes
             assert s.logprobs == pytest.approx(engine.sequence_logprobs(red[0], s.token_ids, red[1]), abs=1e-5)
             assert all(lp > -20 for lp in s.logprobs)
+
+
+def encoded_square(colour: str) -> bytes:
+    """``image_prompt``'s picture of ``colour``, encoded as the controller sends it to vLLM."""
+    image = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(image).rectangle((6, 6, 24, 24), fill=colour)
+    return png(image)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_samples_images_as_the_transformers_engine_does(vlm_dir: Path) -> None:
+    """vLLM given the images themselves (it runs the processor; the ids' placeholders
+    collapsed to one per image) reports the log-probs the transformers engine computes from
+    the processed pixels, its own prompt log-probs agree with what it sampled, the picture
+    changes them, and it never samples a placeholder. CPU: tests/workers/engines/test_vllm_images.py."""
+    from workers.engines.vllm_engine import VLLMEngine
+
+    red, blue = image_prompt(vlm_dir, "red"), image_prompt(vlm_dir, "blue")
+    config = GeneratorConfig(backend="vllm", vllm_max_model_len=256, vllm_gpu_memory_utilization=0.3, seed=0)
+    engine = VLLMEngine(str(vlm_dir), config, device="cuda", dtype="float32")
+    try:
+        sampling = SamplingParams(max_new_tokens=6, seed=3)
+        request = PromptRequest(prompt_ids=red[0], n=4, sampling=sampling, mm_inputs=red[1], images=[encoded_square("red")])
+        (samples,) = engine.generate([request])
+        image_token = int(AutoProcessor.from_pretrained(vlm_dir).image_token_id)  # type: ignore[no-untyped-call]
+        reference = HFEngine(str(vlm_dir), GeneratorConfig(), device="cuda", dtype="float32")
+        for s in samples:
+            assert image_token not in s.token_ids
+            own = engine.sequence_logprobs(red[0], s.token_ids, red[1], images=[encoded_square("red")])
+            assert s.logprobs == pytest.approx(own, abs=1e-3)
+            assert s.logprobs == pytest.approx(reference.sequence_logprobs(red[0], s.token_ids, red[1]), abs=1e-3)
+        on_blue = engine.sequence_logprobs(red[0], samples[0].token_ids, blue[1], images=[encoded_square("blue")])
+        assert max(abs(a - b) for a, b in zip(on_blue, samples[0].logprobs, strict=True)) > 1e-4
+    finally:
+        engine.close()
 
 
 def test_a_text_engine_refuses_images_by_name(tiny_model_dir: Path, vlm_dir: Path) -> None:

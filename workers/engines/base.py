@@ -53,6 +53,9 @@ class PromptRequest:
     """How to sample; requests in one call may differ."""
     mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     """The prompt's images, processed (``GenerateRequest.mm_inputs``); empty for text."""
+    images: list[bytes] = field(default_factory=list)
+    """The same images encoded (``GenerateRequest.images``), for an engine that runs the
+    processor itself (vLLM); the transformers engine reads ``mm_inputs``."""
 
 
 class Engine(Protocol):

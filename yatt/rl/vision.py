@@ -45,6 +45,24 @@ def concatenated(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndar
     return {name: np.concatenate([p[name] for p in present]) for name in present[0]} if present else {}
 
 
+def png(image: Image) -> bytes:
+    """``image`` encoded as PNG (lossless: decoded again, the same pixels): how a prompt's or
+    an observation's images travel to an engine that processes them itself (vLLM)."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(encoded: bytes) -> str:
+    """A PNG image (``png``) as a data URL, the way an image crosses JSON (an environment's
+    row: ``row["images"]``; OpenAI's ``image_url`` parts take the same)."""
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(encoded).decode()
+
+
 class Encoded(NamedTuple):
     """One prompt with images, processed."""
 

@@ -12,13 +12,15 @@ import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from protocols.messages import GroupKey, MicroBatch, MicroBatchRequest, ScoredGroup
+from protocols.codec import decode, encode
+from protocols.messages import GenerateRequest, GroupKey, MicroBatch, MicroBatchRequest, ScoredGroup
 from workers.engines.base import PromptRequest, Sample
 from workers.env import EnvWorker
 from workers.generator import Generator
@@ -30,6 +32,7 @@ from yatt.rl.agents.episodes import EpisodeRunner
 from yatt.rl.agents.render import Renderer
 from yatt.rl.buffer import Buffer
 from yatt.rl.config import (
+    AlgorithmConfig,
     BufferConfig,
     ControllerConfig,
     EnvConfig,
@@ -382,3 +385,21 @@ def test_a_prompts_attempts_sample_with_one_seed() -> None:
         sampling_seed(7, dataclasses.replace(key, epoch=1)), sampling_seed(7, key, 1, 1), sampling_seed(7, key, 0, 2),
     ]  # fmt: skip
     assert sampling_seed(7, key) not in others and len(set(others)) == len(others)
+
+
+def test_a_prompts_request_carries_its_images_processed_and_encoded() -> None:
+    """The transformers engine reads the pixels, vLLM the images themselves (it runs the
+    processor): a request has both, and both cross the wire as they are."""
+    pixels = {"pixel_values": np.arange(48, dtype=np.float32).reshape(1, 3, 4, 4)}
+    prompts = [
+        Prompt(index=i, prompt_ids=[1, 2, 3], text="?", metadata={}, mm_inputs=dict(pixels), images=[b"\x89PNG-%d" % i])
+        for i in range(2)
+    ]
+    controller = Controller(
+        ControllerConfig(num_controllers=1), AlgorithmConfig(), shard=0, group_size=2, prompts=prompts,
+        directory=cast(Any, None), seed=0,
+    )  # fmt: skip
+    _, request = controller._request(GroupKey(epoch=0, shard=0, prompt_index=1), 0)
+    back = decode(encode(request))
+    assert isinstance(back, GenerateRequest) and back.images == [b"\x89PNG-1"]
+    assert np.array_equal(back.mm_inputs["pixel_values"].numpy(), pixels["pixel_values"])

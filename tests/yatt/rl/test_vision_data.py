@@ -144,6 +144,11 @@ def test_jsonl_rows_with_image_paths(tmp_path: Path, vlm_dir: str, image_token: 
     np.testing.assert_array_equal(prompts[0].mm_inputs["pixel_values"], prompts[4].mm_inputs["pixel_values"])
     expected = pixels(vlm_dir, picture("blue"), picture("green"))
     np.testing.assert_array_equal(prompts[2].mm_inputs["pixel_values"], expected)
+    # The images themselves ride along, encoded, for an engine that processes them (vLLM): the same pixels.
+    assert [len(p.images) for p in prompts] == [1, 0, 2, 0, 1]
+    decoded = [Image.open(io.BytesIO(data)) for data in prompts[2].images]
+    np.testing.assert_array_equal(pixels(vlm_dir, *decoded), expected)
+    assert [d.getpixel((40, 40)) for d in decoded] == [picture("blue").getpixel((40, 40)), picture("green").getpixel((40, 40))]
 
 
 def test_parquet_with_datasets_image_values_and_bytes(tmp_path: Path, vlm_dir: str, image_token: int) -> None:
@@ -263,7 +268,8 @@ def test_prompt_sets_file_keeps_the_images_exactly(tmp_path: Path, vlm_dir: str)
     for prompts, again in zip(sets, read, strict=True):
         assert len(again) == len(prompts)
         for p, q in zip(prompts, again, strict=True):
-            assert (q.index, q.prompt_ids, q.text, q.metadata) == (p.index, p.prompt_ids, p.text, p.metadata)
+            assert (q.index, q.prompt_ids, q.text, q.metadata, q.images) == (p.index, p.prompt_ids, p.text, p.metadata, p.images)
+            assert len(q.images) == 1
             assert set(q.mm_inputs) == set(p.mm_inputs) == {"pixel_values"}
             for name, array in p.mm_inputs.items():
                 assert (q.mm_inputs[name].dtype, q.mm_inputs[name].shape) == (array.dtype, array.shape)

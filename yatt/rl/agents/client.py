@@ -196,7 +196,7 @@ class EpisodeClient:
         else:
             self._since = time.monotonic()
             try:
-                sampled = await self._generate(ids, budget, {})  # (agent code sends text: no images)
+                sampled = await self._generate(ids, budget, {}, [])  # (agent code sends text: no images)
             finally:
                 self.generating_s += time.monotonic() - self._since
                 self._since = None

@@ -100,7 +100,7 @@ def _scripted(
     stops = runner.config.stop_strings
     queue = list(actions)
 
-    async def generate(ids: list[int], budget: int, _images: dict[str, np.ndarray]) -> Completion:
+    async def generate(ids: list[int], budget: int, _pixels: dict[str, np.ndarray], _images: list[bytes]) -> Completion:
         if not queue:
             raise ConfigError(f"{where} has {len(actions)} turns, and its episode asked for another")
         text = queue.pop(0)

@@ -28,7 +28,6 @@ import asyncio
 import base64
 import binascii
 import inspect
-import io
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +45,7 @@ from yatt.rl.agents.tools import (
     tool_instructions,
 )
 from yatt.rl.config import EnvConfig
+from yatt.rl.vision import png
 from yatt.runtime.plugins import load_plugin
 
 Message = dict[str, Any]
@@ -149,11 +149,8 @@ def _image_bytes(part: dict[str, Any], where: str) -> bytes:
             return Path(value).read_bytes()
         except OSError as e:
             raise ValueError(f"{where}: cannot read the image {str(value)!r:.100} ({e})") from e
-    save = getattr(value, "save", None)
-    if callable(save):  # a PIL image
-        buffer = io.BytesIO()
-        save(buffer, format="PNG")
-        return buffer.getvalue()
+    if callable(getattr(value, "save", None)):  # a PIL image
+        return png(cast(Any, value))
     raise TypeError(f"{where}: an image is a PIL image, bytes, a path or a data URL (got {type(value).__name__})")
 
 
@@ -215,7 +212,8 @@ class ToolEnv:
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Observation, dict[str, Any]]:
         """The data row's prompt, after a system message saying how to call the tools (tags)
-        or with the tools' schemas for the chat template (hermes)."""
+        or with the tools' schemas for the chat template (hermes); a prompt with images
+        (``row["images"]``, data URLs) shows them before its text, as the data's prompts do."""
         row = (options or {}).get("row", {})
         instructions = (
             tool_instructions(list(self.tools.values()), protocol=self.protocol)
@@ -223,7 +221,9 @@ class ToolEnv:
         )  # fmt: skip
         messages = [{"role": "system", "content": instructions}] if instructions else []
         info = {"tools": [tool.schema for tool in self.tools.values()]} if self.protocol == "hermes" else {}
-        return [*messages, {"role": "user", "content": str(row.get("prompt", ""))}], info
+        text, images = str(row.get("prompt", "")), row.get("images") or []
+        content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": text}] if images else text
+        return [*messages, {"role": "user", "content": content}], info
 
     async def step(self, action: str) -> tuple[Observation, float | None, bool, bool, dict[str, Any]]:
         try:

@@ -55,9 +55,9 @@ from yatt.rl.agents.render import Renderer
 from yatt.rl.config import EnvConfig
 from yatt.rl.vision import concatenated
 
-Generate = Callable[[list[int], int, dict[str, np.ndarray]], Awaitable[Completion]]
+Generate = Callable[[list[int], int, dict[str, np.ndarray], list[bytes]], Awaitable[Completion]]
 """(the episode's ids so far, the turn's token budget, the images of its observations so far,
-processed: {} for none) -> the policy's next turn."""
+processed ({} for none) and encoded ([] for none)) -> the policy's next turn."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +200,7 @@ class EpisodeRunner(Runner):
                 turn = replay[index]
                 ids, logprobs, version, finish = turn.token_ids, turn.logprobs, turn.version, turn.finish_reason
             else:
-                sampled = await generate(prompt_ids + out.ids, min(self.max_new_tokens, room), out.mm)
+                sampled = await generate(prompt_ids + out.ids, min(self.max_new_tokens, room), out.mm, out.images)
                 ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs.tolist()
                 version, finish = sampled.policy_version_min, sampled.finish_reason
             out.add(ids, logprobs=logprobs, version=version)

@@ -63,7 +63,7 @@ def policy(tokenizer: Any, text: str = "5", version: int = 2) -> Any:
     seen: list[tuple[list[int], int]] = []
     images: list[dict[str, Any]] = []
 
-    async def generate(ids: list[int], budget: int, observed: dict[str, Any] | None = None) -> Completion:
+    async def generate(ids: list[int], budget: int, observed: dict[str, Any] | None = None, encoded: Any = None) -> Completion:
         seen.append((list(ids), budget))
         images.append(dict(observed or {}))
         out = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id][:budget]

@@ -119,7 +119,7 @@ async def test_a_lost_worker_s_agent_is_rebuilt_on_another_without_generating_a_
         inner = policy(tokenizer, text="5")
         env = RemoteEnv(directory, name="g/0", timeout_s=10.0, wait_s=30.0)
 
-        async def generate(ids: list[int], budget: int, observed: Any = None) -> Any:
+        async def generate(ids: list[int], budget: int, observed: Any = None, encoded: Any = None) -> Any:
             if len(inner.seen) == 2:  # (the third call: the worker that held the first two is gone)
                 holder = one if env.at == one.endpoint else two
                 await registrations[holder.endpoint].close()

@@ -126,9 +126,11 @@ def test_an_observation_with_images_crosses_from_the_env_role_as_bytes_beside_it
 def scripted(answer: str, tokenizer: Any) -> Any:
     """A policy that always answers ``answer`` (no EOS); records the images it is given."""
     seen: list[dict[str, np.ndarray]] = []
+    seen_encoded: list[list[bytes]] = []
 
-    async def generate(ids: list[int], budget: int, observed: dict[str, np.ndarray]) -> Completion:
+    async def generate(ids: list[int], budget: int, observed: dict[str, np.ndarray], encoded: list[bytes]) -> Completion:
         seen.append(observed)
+        seen_encoded.append(list(encoded))
         out = tokenizer.encode(answer, add_special_tokens=False)[:budget]
         return Completion(
             token_ids=torch.tensor(out, dtype=torch.int32), logprobs=torch.full((len(out),), -0.5),
@@ -136,6 +138,7 @@ def scripted(answer: str, tokenizer: Any) -> Any:
         )  # fmt: skip
 
     generate.seen = seen  # type: ignore[attr-defined]
+    generate.encoded = seen_encoded  # type: ignore[attr-defined]
     return generate
 
 
@@ -167,6 +170,7 @@ async def test_a_visual_episode_carries_each_observations_images_to_the_next_tur
     assert out.ids.count(image_token) == 2 * 64 and not any(out.mask[i] for i, t in enumerate(out.ids) if t == image_token)
     assert np.array_equal(out.mm["pixel_values"], r.pixels(out.images)["pixel_values"])
     assert np.array_equal(wrong.seen[2]["pixel_values"], out.mm["pixel_values"])
+    assert wrong.encoded == [[], out.images[:1], out.images]  # and encoded, for an engine that processes them (vLLM)
     hint = np.asarray(Image.open(io.BytesIO(out.images[0])).convert("RGB")).astype(int)
     red, blue = (hint[..., 0] - hint[..., 2] > 100), (hint[..., 2] - hint[..., 0] > 100)
     assert red.any() and not blue.any()  # the red squares alone
@@ -190,3 +194,23 @@ async def test_an_observation_is_never_cut_through_its_images(vlm: Path) -> None
     assert (out.info.ended, out.info.turns, out.images) == ("budget", 1, [])
     assert "not cut through its images" in out.info.detail
     assert r.processor.image_token_id not in out.ids  # type: ignore[union-attr]
+
+
+async def test_a_tool_environment_shows_a_data_prompts_images(vlm: Path) -> None:
+    """The built-in tool environment on VLM data: the row's images (data URLs, as the
+    controller puts a prompt's into the row) come before the prompt's text in its first
+    message, expanded by the processor as the data's prompt is; without them, text only."""
+    from yatt.rl.agents.envs import env_factory
+    from yatt.rl.vision import data_url, png
+
+    r = renderer_of(vlm)
+    config = EnvConfig(tools=["yatt.rl.agents.tools:calculator"], max_turns=2)
+    runner = EpisodeRunner(config, r, decode=lambda ids: str(r.tokenizer.decode(ids)), eos_ids={int(r.tokenizer.eos_token_id)},
+                           max_new_tokens=4, context=512)  # fmt: skip
+    row = {"prompt": "How many red squares?", "answer": "1", "images": [data_url(png(picture("red")))]}
+    prompt, images = await runner.start(env_factory(config)(), seed=0, row=row, prompt_ids=[1, 2])
+    image_token = r.processor.image_token_id  # type: ignore[union-attr]
+    assert images == [png(picture("red"))] and prompt.count(image_token) == 64
+    assert np.array_equal(r.pixels(images)["pixel_values"], r.pixels([png(picture("red"))])["pixel_values"])
+    text_only, no_images = await runner.start(env_factory(config)(), seed=0, row={**row, "images": []}, prompt_ids=[1, 2])
+    assert no_images == [] and image_token not in text_only  # (its own prompt, without pictures)

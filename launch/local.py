@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -322,7 +321,7 @@ class LocalLauncher:
                     f"the checks before the start exited without a result (exit code {child.exitcode}); its output is above"
                 ) from None
             if kind == "raised":
-                raise value
+                raise _raised(*value)
             for name, attribute in value.items():
                 setattr(self, name, attribute)
         finally:
@@ -675,7 +674,8 @@ class LocalLauncher:
 
 def _check_in_child(launcher: LocalLauncher, send: Connection, environ: dict[str, str]) -> None:
     """``launcher._checked()`` in a process forked from the fork server, with the launcher's
-    environment; sends ``("done", <its CHECKED attributes>)`` or ``("raised", <the error>)``."""
+    environment; sends ``("done", <its CHECKED attributes>)``, or ``("raised", (kind, text,
+    traceback))`` (``_raised`` makes the error again in the launcher)."""
     become_forked_child()
     die_with_parent(os.getppid())  # the server, which dies with the launcher
     os.environ.clear()
@@ -683,15 +683,22 @@ def _check_in_child(launcher: LocalLauncher, send: Connection, environ: dict[str
     try:
         launcher._checked()
     except Exception as e:  # every error reaches the launcher, raised there
-        if not isinstance(e, ConfigError | StorageError):
-            e.add_note(f"(in the checks' process)\n{traceback.format_exc()}")
-        try:
-            pickle.loads(pickle.dumps(e))  # noqa: S301  # its own bytes, made just now
-        except Exception:  # an exception that does not cross as itself: its text
-            e = RuntimeError(f"{type(e).__name__}: {e}\n(in the checks' process)\n{traceback.format_exc()}")
-        send.send(("raised", e))
+        kind = "config" if isinstance(e, ConfigError) else "storage" if isinstance(e, StorageError) else type(e).__name__
+        send.send(("raised", (kind, str(e), traceback.format_exc())))
         return
     send.send(("done", {name: getattr(launcher, name) for name in launcher.CHECKED}))
+
+
+def _raised(kind: str, text: str, trace: str) -> Exception:
+    """The checks' error in the launcher: a config or storage error as itself (one line for
+    the user), any other with the child's traceback."""
+    if kind == "config":
+        return ConfigError(text)
+    if kind == "storage":
+        return StorageError(text)
+    error = RuntimeError(f"{kind}: {text}")
+    error.add_note(f"(in the checks' process)\n{trace}")
+    return error
 
 
 def _sees_gpus() -> bool:

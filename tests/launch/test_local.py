@@ -327,7 +327,7 @@ def test_an_error_in_the_checks_child_is_raised_in_the_launcher(tmp_path: Path) 
         asyncio.run(bad_data._check())
     assert bad_data.plan is None
     crashed = PlanlessLauncher(load_run_config(None, ["model.warm_start_steps=0"]), tmp_path / "b")
-    with pytest.raises(ValueError, match="the plan went missing") as raised:
+    with pytest.raises(RuntimeError, match="ValueError: the plan went missing") as raised:
         asyncio.run(crashed._check())
     notes = "".join(raised.value.__notes__)
     assert "in the checks' process" in notes and "in make_plan" in notes, notes

@@ -121,7 +121,7 @@ async def test_a_hanging_or_raising_function_ends_its_episode_and_generation_is_
 
     fast = policy(tokenizer)
 
-    async def slow_policy(ids: list[int], budget: int, observed: Any = None) -> Any:
+    async def slow_policy(ids: list[int], budget: int, observed: Any = None, encoded: Any = None) -> Any:
         await asyncio.sleep(0.5)  # longer than the timeout: the policy's time, not the function's
         return await fast(ids, budget)
 

@@ -80,6 +80,7 @@ from workers.lora import adapter_file_name, is_adapter, peft_config, with_lora
 from workers.models import image_placeholder, is_vision_language, placeholder_token_ids
 from yatt.errors import Closed, ConfigError, ProtocolError
 from yatt.rl.config import GeneratorConfig, LoRAConfig
+from yatt.rl.vision import decoded
 
 _DTYPE_NAMES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
     torch.float32: "float32",
@@ -182,15 +183,6 @@ def collapsed(ids: Sequence[int], placeholder: int, images: int) -> list[int]:
     return out + list(ids[at:])
 
 
-def decoded_images(images: Sequence[bytes]) -> list[Any]:
-    """Encoded images (PNG, JPEG: ``PromptRequest.images``) as the RGB PIL images vLLM takes."""
-    import io
-
-    from PIL import Image
-
-    return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-
-
 def vllm_prompt(prompt_ids: Sequence[int], images: Sequence[bytes], placeholder: int | None) -> TokensPrompt:
     """A ``TokensPrompt``: the ids, and for a prompt with images those images and the ids
     with one placeholder per image (``collapsed``). ``ProtocolError`` for images to a
@@ -201,7 +193,7 @@ def vllm_prompt(prompt_ids: Sequence[int], images: Sequence[bytes], placeholder:
         raise ProtocolError(f"a prompt with {len(images)} image(s) to a text-only model; use a vision-language model")
     return TokensPrompt(
         prompt_token_ids=collapsed(prompt_ids, placeholder, len(images)),
-        multi_modal_data={"image": decoded_images(images)},
+        multi_modal_data={"image": decoded(images)},
     )
 
 

@@ -55,6 +55,23 @@ def png(image: Image) -> bytes:
     return buffer.getvalue()
 
 
+def decoded(images: Sequence[bytes]) -> list[Image]:
+    """Encoded images (PNG, JPEG, ...) as RGB PIL images: the processor's input, the renderer's
+    and vLLM's. ``ValueError`` naming the image (its index and size) for one that does not decode."""
+    import io
+
+    import PIL.Image
+
+    out = []
+    for i, data in enumerate(images):
+        try:
+            with PIL.Image.open(io.BytesIO(data)) as image:
+                out.append(image.convert("RGB"))
+        except (OSError, ValueError, PIL.Image.DecompressionBombError) as e:
+            raise ValueError(f"image {i} ({len(data)} bytes) does not decode: {e}") from e
+    return out
+
+
 def data_url(encoded: bytes) -> str:
     """A PNG image (``png``) as a data URL, the way an image crosses JSON (an environment's
     row: ``row["images"]``; OpenAI's ``image_url`` parts take the same)."""

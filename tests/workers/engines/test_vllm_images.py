@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoProcessor
 
 from workers.models import build_tiny_vlm, image_placeholder
 from yatt.errors import ProtocolError
+from yatt.rl import vision
 from yatt.rl.vision import png
 
 pytestmark = pytest.mark.vllm
@@ -64,10 +65,8 @@ def test_vllm_gets_one_placeholder_per_image_and_the_images_themselves(vlm_dir: 
 
 
 def test_encoded_images_decode_to_their_pixels_in_rgb() -> None:
-    from workers.engines import vllm_engine
-
-    decoded = vllm_engine.decoded_images([png(square("red"))])
+    decoded = vision.decoded([png(square("red"))])
     assert decoded[0].mode == "RGB" and np.array_equal(np.asarray(decoded[0]), np.asarray(square("red")))
     jpeg = io.BytesIO()
     square("blue").save(jpeg, format="JPEG")
-    assert vllm_engine.decoded_images([jpeg.getvalue()])[0].size == (56, 56)
+    assert vision.decoded([jpeg.getvalue()])[0].size == (56, 56)

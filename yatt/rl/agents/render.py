@@ -47,7 +47,6 @@ model, no I/O.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -56,7 +55,7 @@ import numpy as np
 
 from yatt.errors import ConfigError
 from yatt.rl.agents.envs import Message, images_of
-from yatt.rl.vision import image_outputs
+from yatt.rl.vision import decoded, image_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -344,17 +343,11 @@ def _check_parts(messages: list[Message]) -> None:
 
 
 def _decoded(images: Sequence[bytes]) -> list[Any]:
-    """Encoded images as RGB PIL images; ``ConfigError`` for one that does not decode."""
-    import PIL.Image
-
-    out = []
-    for i, data in enumerate(images):
-        try:
-            with PIL.Image.open(io.BytesIO(data)) as image:
-                out.append(image.convert("RGB"))
-        except (OSError, ValueError, PIL.Image.DecompressionBombError) as e:
-            raise ConfigError(f"an observation's image {i} ({len(data)} bytes) does not decode: {e}") from e
-    return out
+    """An observation's encoded images as RGB PIL images; ``ConfigError`` for one that does not decode."""
+    try:
+        return decoded(images)
+    except ValueError as e:
+        raise ConfigError(f"an observation's {e}") from e
 
 
 def _input_ids(out: object) -> list[int]:

@@ -39,10 +39,15 @@ from launch.config import RunConfig
 from yatt.errors import ConfigError
 from yatt.rl.agents.client import load_episode
 from yatt.rl.agents.envs import check_env
-from yatt.rl.config import BufferConfig, ModelConfig, RewardConfig, TrainerConfig
+from yatt.rl.config import (
+    CUSTOM_FILTER,
+    POLICY_LOSSES,
+    BufferConfig,
+    ModelConfig,
+    RewardConfig,
+    TrainerConfig,
+)
 from yatt.rl.data import Prompt
-from yatt.rl.rl_math import POLICY_LOSSES, get_policy_loss
-from yatt.rl.sampling import CUSTOM_FILTER, check_world_size
 from yatt.runtime.plugins import load_plugin
 from yatt.runtime.transport import TransportConfig
 
@@ -132,6 +137,8 @@ def _check_plugins(cfg: RunConfig) -> None:
         fn = load_plugin(cfg.buffer.custom_filter, field="buffer.custom_filter", expects=CUSTOM_FILTER)
         _takes(fn, 1, "buffer.custom_filter", cfg.buffer.custom_filter, "one argument, the ScoredGroup")
     if cfg.algorithm.policy_loss not in POLICY_LOSSES:
+        from yatt.rl.rl_math import get_policy_loss  # (torch: only for a user's loss)
+
         fn = get_policy_loss(cfg.algorithm.policy_loss)
         _takes(fn, 5, "algorithm.policy_loss", cfg.algorithm.policy_loss, "(logprobs, old_logprobs, advantages, mask, params)")
 
@@ -273,7 +280,7 @@ def _check_token_ids(buffer: BufferConfig, model: dict[str, Any], model_path: Pa
 def _check_ranks(buffer: BufferConfig, ranks: int, configured: int) -> None:
     """Each micro-batch wave splits evenly over the plan's trainer ranks (the buffer's rule)."""
     try:
-        check_world_size(buffer, ranks)
+        buffer.check_world_size(ranks)
     except ConfigError as e:
         per_wave = buffer.groups_per_step // buffer.micro_batches_per_step * buffer.group_size
         fits = [n for n in range(1, min(per_wave, 16) + 1) if per_wave % n == 0]

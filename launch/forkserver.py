@@ -45,10 +45,15 @@ PRELOAD = (
 """What the server imports once: the modules whose import takes a forked role's time."""
 
 
+MODEL_ENV = "YATT_FORK_SERVER_MODEL"
+"""The run's ``model.path``, handed to the server for ``launch.forkserver_model``."""
+
+
 def model_modules(model_path: str) -> list[str]:
     """The transformers module that defines the run's model (``model.path``; the built-in
     models are Llamas), which transformers imports only when a model of its type first
-    loads: 0.25 s in every trainer rank and generator a server without it forks here."""
+    loads: 0.25 s in every trainer rank and generator a server without it forks. Named in
+    the server (``launch.forkserver_model``): transformers' import is not the launcher's."""
     model_type = "llama"
     if model_path and not model_path.startswith("builtin:"):
         try:
@@ -103,8 +108,11 @@ class ForkedRole:
 class ForkServer:
     """Forks role processes from one server process that has imported ``preload``."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
-        self.preload = [*preload, "launch.forkserver_freeze"]  # last: it freezes what the others made
+    def __init__(self, preload: Sequence[str] = PRELOAD, *, model_path: str | None = None) -> None:
+        """``model_path``: the run's model, whose transformers module the server imports too."""
+        model = ["launch.forkserver_model"] if model_path is not None else []
+        self.preload = [*preload, *model, "launch.forkserver_freeze"]  # last: it freezes what the others made
+        self.model_path = model_path
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(self.preload)
 
@@ -117,6 +125,8 @@ class ForkServer:
         from launch.forkserver_init import MARK
 
         marks = {"CUDA_VISIBLE_DEVICES": "", MARK: str(os.getpid())}  # no GPU; dies with this process
+        if self.model_path is not None:
+            marks[MODEL_ENV] = self.model_path
         saved = {name: os.environ.get(name) for name in marks}
         os.environ.update(marks)
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -44,10 +45,10 @@ from typing import Literal
 
 from launch.checks import advice, check_against, check_config
 from launch.config import RunConfig, dump_run_config
-from launch.forkserver import PRELOAD, ForkServer, RoleProcess, become_forked_child, model_modules
+from launch.forkserver import PRELOAD, ForkServer, RoleProcess, become_forked_child
 from launch.placement.adapter import Adapter
 from launch.placement.executor import PlanExecutor
-from launch.placement.inputs import make_plan, this_machine
+from launch.placement.inputs import make_plan, this_machine, with_peak
 from launch.placement.plan_file import describe, with_planned_ranks, world_size_of, write_plan
 from launch.prepare import (
     check_run_dir,
@@ -99,6 +100,8 @@ GRACE_S = 15.0
 HUNG_S = 10.0
 """A role process the registry dropped (silent past its heartbeat limit) but still alive
 after this long is hung (SIGSTOP, a deadlock): it is killed, then restarted as if it died."""
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""A GPU driver's device files (NVIDIA, AMD ROCm, WSL): without one torch sees no GPU."""
 WATCH_S = 0.05
 """How often the launcher looks at its role processes: a role's death is seen within it
 (a look reads the new metrics lines and polls each process: the launcher took 2.0% of a core
@@ -142,12 +145,14 @@ class LocalLauncher:
         self.cluster: ClusterSpec | None = None
         self.executor = PlanExecutor(self, replan_from=checkpoint_step(resume) if resume is not None else 0)
         """Carries re-planned plans out between two steps (placement.adaptive)."""
-        self.fork_server = ForkServer([*PRELOAD, *model_modules(cfg.model.path)]) if cfg.run.fork_roles else None
+        self.fork_server = ForkServer(PRELOAD, model_path=cfg.model.path) if cfg.run.fork_roles else None
         """Where the roles on CPUs are forked from, warm (None: every role starts from its command line)."""
 
     def make_plan(self) -> Plan | None:
         """Where each role runs on this machine (written to the run dir; roles read it back)."""
         cluster = this_machine(peak_flops=0.0, cpu_slots=self.cfg.placement.cpu_slots)  # the planner measures the peak when it needs it
+        if self.cfg.placement.adaptive:  # the re-planner always does: measured here, in the checks, not in this process later
+            cluster = with_peak(cluster, self.cfg.model.dtype)
         self.gpu_slots = cluster.slots[0].kind == "gpu"
         self.cluster = cluster
         return make_plan(self.cfg, cluster, self.prompt_tokens)
@@ -159,11 +164,8 @@ class LocalLauncher:
         checkpoint load); a second for one that leaves (SIGTERM to exit, measured ~1 s)."""
         if not self.cfg.placement.adaptive or self.plan is None or self.cluster is None:
             return None
-        from launch.placement.inputs import with_peak
-
-        cluster = self.cluster if self.cluster.peak_flops > 0 else with_peak(self.cluster, self.cfg.model.dtype)
         switch = SwitchCosts(to_rollout_s=ready_s, to_train_s=1.0, reshard_s=ready_s)
-        return Adapter(self.cfg, self.plan, cluster, self.run_dir, switch=switch, prompt_tokens=self.prompt_tokens)
+        return Adapter(self.cfg, self.plan, self.cluster, self.run_dir, switch=switch, prompt_tokens=self.prompt_tokens)
 
     @property
     def world_size(self) -> int:
@@ -202,21 +204,39 @@ class LocalLauncher:
         return port
 
     def host_store(self, port: int) -> int:
-        """Host the trainer ranks' torch.distributed store in this process, listening on
-        ``self.host`` only (a TCPStore binds every interface unless handed its socket), on
-        ``port`` (0: a free one); the ranks connect as clients (TORCHELASTIC_USE_AGENT_STORE),
-        a restarted group on a fresh store. Returns the port."""
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public; torch's stubs miss it
-
-        self._store = None  # a TCPStore closes its socket when it goes
-        listener = socket.create_server((self.host, port))  # SO_REUSEADDR: the same port again
-        bound, fd = int(listener.getsockname()[1]), listener.detach()  # the store owns the socket
+        """Host the trainer ranks' torch.distributed store, listening on ``self.host`` only (a
+        TCPStore binds every interface unless handed its socket), on ``port`` (0: a free
+        one); the ranks connect as clients (TORCHELASTIC_USE_AGENT_STORE), a restarted group
+        on a fresh store. Where roles are forked, a process forked from the fork server hosts
+        it (this process never imports torch: ~200 MB less in every run); elsewhere this
+        one. Returns the port."""
+        self._close_store()
+        if self.fork_server is None:
+            self._store, bound = open_store(self.host, port)
+            return bound
+        receive, send = self.fork_server.pipe()
+        child = self.fork_server.call(_host_store_in_child, self.host, port, send, name="yatt store")
+        send.close()
         try:
-            self._store = TCPStore(self.host, bound, None, True, wait_for_workers=False, master_listen_fd=fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return bound
+            kind, value = receive.recv()
+        except EOFError:
+            child.join()
+            raise RuntimeError(
+                f"the store's process exited before it listened (exit code {child.exitcode})"
+            ) from None
+        finally:
+            receive.close()
+        self._store = child
+        if kind == "raised":
+            raise _raised(*value)
+        return int(value)
+
+    def _close_store(self) -> None:
+        """Close the store (its process, where one hosts it) so that its port is free again."""
+        store, self._store = self._store, None  # a TCPStore closes its socket when it goes
+        if isinstance(store, multiprocessing.process.BaseProcess):
+            store.kill()
+            store.join()
 
     async def run(self) -> int:
         """Run to completion; 0 on success, 1 when a role failed or a write did (a full disk:
@@ -280,6 +300,7 @@ class LocalLauncher:
                 return 1
             finally:
                 await self._stop_all()
+                self._close_store()
                 await registry.close()
 
     CHECKED = ("cfg", "model_path", "prompt_tokens", "plan", "cluster", "gpu_slots")
@@ -689,6 +710,36 @@ def _check_in_child(launcher: LocalLauncher, send: Connection, environ: dict[str
     send.send(("done", {name: getattr(launcher, name) for name in launcher.CHECKED}))
 
 
+def open_store(host: str, port: int) -> tuple[object, int]:
+    """A torch.distributed ``TCPStore`` server on ``host``:``port`` (0: a free one), listening
+    on that address only; returns it (its socket closes when it goes) and its port."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public; torch's stubs miss it
+
+    listener = socket.create_server((host, port))  # SO_REUSEADDR: the same port again
+    bound, fd = int(listener.getsockname()[1]), listener.detach()  # the store owns the socket
+    try:
+        return TCPStore(host, bound, None, True, wait_for_workers=False, master_listen_fd=fd), bound
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _host_store_in_child(host: str, port: int, send: Connection) -> None:
+    """``open_store`` in a process forked from the fork server: sends ``("done", port)`` or
+    ``("raised", (kind, text, traceback))``, then serves until it is killed."""
+    become_forked_child()
+    die_with_parent(os.getppid())  # the server, which dies with the launcher
+    try:
+        store, bound = open_store(host, port)
+    except Exception as e:
+        send.send(("raised", (type(e).__name__, str(e), traceback.format_exc())))
+        return
+    send.send(("done", bound))
+    send.close()
+    while store is not None:  # the store's server runs in its own thread
+        signal.pause()
+
+
 def _raised(kind: str, text: str, trace: str) -> Exception:
     """The checks' error in the launcher: a config or storage error as itself (one line for
     the user), any other with the child's traceback."""
@@ -702,7 +753,11 @@ def _raised(kind: str, text: str, trace: str) -> Exception:
 
 
 def _sees_gpus() -> bool:
-    """Whether torch sees a GPU here (without starting CUDA in this process)."""
+    """Whether torch sees a GPU here (without starting CUDA in this process). Without a GPU
+    driver's device files (NVIDIA's, AMD's, WSL's) it cannot, and torch is not imported to
+    say so: a CPU machine's launcher never imports it."""
+    if not any(Path(device).exists() for device in GPU_DEVICE_FILES):
+        return False
     import torch
 
     return bool(torch.cuda.is_available())

@@ -16,19 +16,23 @@ float, got str``). Nothing but ``ProtocolError`` escapes ``decode``, whatever th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 import numpy as np
-import torch
 import zmq
 
 from protocols.errors import ProtocolError
-from protocols.messages import MESSAGE_TYPES, Message
+from protocols.messages import MESSAGE_TYPES, Message, Tensor
+
+if TYPE_CHECKING:
+    import torch
 
 Frame = bytes | memoryview | zmq.Frame
 
@@ -38,23 +42,23 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 31  # 2 GiB: one weight bucket or rollout batch a
 # per call. Writing into a received tensor is a bug anyway, so the warning is noise.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
-_NUMPY_NAMES: dict[np.dtype[Any], str] = {
-    np.dtype(name): name for name in _TORCH_DTYPES if name != "bfloat16"
-}
-_NUMPY_VIEWABLE = frozenset(dt for name, dt in _TORCH_DTYPES.items() if name != "bfloat16")
+# torch is imported on the first tensor decoded, not with the codec: a process that only
+# passes tensor-free messages (the launcher) never loads it (~200 MB).
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+_NUMPY_NAMES: dict[np.dtype[Any], str] = {np.dtype(name): name for name in _DTYPES if name != "bfloat16"}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in _DTYPES}
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _torch_dtypes().items()}
+
 
 _KINDS: dict[bytes, type[Message]] = {cls.KIND: cls for cls in MESSAGE_TYPES}
 assert len(_KINDS) == len(MESSAGE_TYPES), "two message types share a KIND"
@@ -157,7 +161,7 @@ def _fail(path: str, expected: str, value: object) -> ProtocolError:
 
 
 def _compile(tp: Any) -> tuple[Encoder, Decoder]:
-    if tp is torch.Tensor:
+    if tp is Tensor:
         return _encode_tensor, _decode_tensor
     if dataclasses.is_dataclass(tp):
         return _compile_dataclass(tp)  # type: ignore[arg-type]
@@ -273,17 +277,19 @@ def _compile_dataclass(cls: type) -> tuple[Encoder, Decoder]:
 
 
 def _encode_tensor(value: Any, tensors: list[memoryview], path: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dtype not in _DTYPE_NAMES:
+    torch = sys.modules.get("torch")  # a value cannot be a tensor where torch is not loaded
+    if torch is not None and isinstance(value, torch.Tensor):
+        names = _dtype_names()
+        if value.dtype not in names:
             raise ProtocolError(f"{path}: tensor dtype {value.dtype} cannot travel")
         t = value.detach() if value.requires_grad else value
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
-        dtype, shape = _DTYPE_NAMES[t.dtype], list(t.shape)
+        dtype, shape = names[t.dtype], list(t.shape)
         # A byte view of the tensor's memory (no copy); it keeps the tensor alive until sent.
-        if t.dtype in _NUMPY_VIEWABLE:
+        if t.dtype != torch.bfloat16:
             data = t.numpy().reshape(-1).data.cast("B")
         else:  # numpy has no bfloat16: view the bytes in torch first
             data = memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
@@ -303,7 +309,7 @@ def _decode_tensor(value: Any, frames: Sequence[memoryview], used: list[bool], p
     if not (isinstance(value, list) and len(value) == 3):
         raise _fail(path, "tensor [dtype, shape, frame]", value)
     dtype_name, shape, index = value
-    dtype = _TORCH_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = _torch_dtypes().get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise ProtocolError(f"{path}: unknown tensor dtype {dtype_name!r}")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
@@ -320,6 +326,8 @@ def _decode_tensor(value: Any, frames: Sequence[memoryview], used: list[bool], p
         raise ProtocolError(
             f"{path}: tensor {dtype_name}{shape} needs {expected} bytes, its frame has {frame.nbytes}"
         )
+    import torch
+
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(frame, dtype=dtype).view(shape)

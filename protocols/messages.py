@@ -22,11 +22,16 @@ The loop, in messages::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    from torch import Tensor as Tensor
+else:
 
-Tensor = torch.Tensor
+    class Tensor:
+        """``torch.Tensor`` in the field types, without importing torch to read them: a process
+        that only passes messages along (the launcher) need not load it. The codec encodes
+        and decodes these fields as real tensors."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,12 +60,11 @@ from yatt.errors import ConfigError, YattError
 from yatt.placement.adaptive import Decision, Replanner, StepTimes, SwitchCosts
 from yatt.placement.plan import ClusterSpec, Layout, Plan
 from yatt.rl.config import BufferConfig
-from yatt.rl.sampling import check_world_size
 from yatt.runtime import run_dir as names
 from yatt.runtime.registry import Directory
 
 if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 RUN_LAYOUTS: tuple[Layout, ...] = ("disaggregated", "colocated")
 """The layouts a run switches between (``placement.adaptive_layouts``); a partial run moves
@@ -77,7 +77,7 @@ episode processes' CPU seconds)."""
 def splits_over(config: BufferConfig, world_size: int) -> bool:
     """Whether the buffer's micro-batch waves split evenly over ``world_size`` ranks."""
     try:
-        check_world_size(config, world_size)
+        config.check_world_size(world_size)
     except ConfigError:
         return False
     return True
@@ -106,7 +106,7 @@ class Adapter:
         self.calibrated = False
         """Whether the estimate from this run's measured costs was printed (at the first decision)."""
         self._tensorboard = run_dir / "tensorboard" / "placement" if "tensorboard" in cfg.run.report_to else None
-        self._writer: SummaryWriter | None = None
+        self._writer: EventFileWriter | None = None
         self._busy: dict[str, float] = {}  # actor id -> its busy seconds at the last step
         self.busy_workers = {role: 0 for role in BUSY_KEYS}
         """Workers of each pool busy in the last measured step."""
@@ -189,15 +189,18 @@ class Adapter:
             f.write(json.dumps(record) + "\n")
         if self._tensorboard is not None:
             if self._writer is None:
-                from torch.utils.tensorboard import SummaryWriter as Writer
+                from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-                self._writer = Writer(str(self._tensorboard))
+                self._writer = EventFileWriter(str(self._tensorboard))
             step = int(record["step"])
-            for key, value in record.items():
-                if isinstance(value, float | int) and key != "step":
-                    self._writer.add_scalar(key, value, step)
+            values = [
+                summary_value(key, value)
+                for key, value in record.items()
+                if isinstance(value, float | int) and key != "step"
+            ]
             if record.get("placement/changed"):
-                self._writer.add_text("placement/change", record["reason"], step)
+                values.append(summary_value("placement/change", record["reason"]))
+            self._writer.add_event(event(step, values))
             self._writer.flush()
 
     def close(self) -> None:
@@ -205,3 +208,29 @@ class Adapter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def summary_value(tag: str, value: float | str) -> Any:
+    """A TensorBoard summary value: a scalar, or text (shown by the text plugin), as torch's
+    ``SummaryWriter.add_scalar`` / ``add_text`` write them, from tensorboard's own protos:
+    the launcher writes its placement metrics without importing torch (~200 MB)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.text import metadata as text_metadata
+    from tensorboard.util import tensor_util
+
+    if isinstance(value, str):
+        tensor = tensor_util.make_tensor_proto([value])
+        return Summary.Value(
+            tag=f"{tag}/text_summary",
+            metadata=text_metadata.create_summary_metadata(display_name="", description=""),
+            tensor=tensor,
+        )
+    return Summary.Value(tag=tag, simple_value=float(value))
+
+
+def event(step: int, values: list[Any]) -> Any:
+    """One TensorBoard event of ``values`` (``summary_value``) at ``step``, stamped now."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    return Event(wall_time=time.time(), step=step, summary=Summary(value=values))

@@ -32,6 +32,7 @@ from yatt.placement.planner import (
     finish,
 )
 from yatt.runtime import run_dir as names
+from yatt.runtime.dtypes import compute_dtype_name
 from yatt.runtime.run_dir import read_jsonl
 
 TINY_CONFIG: dict[str, object] = {
@@ -162,11 +163,7 @@ def _thread_scaling_of(config_json: str, rows: int, length: int, decoding: int, 
 def compute_dtype(dtype: str, kind: str) -> str:
     """The dtype ``model.dtype`` computes in on slots of ``kind``, as the trainer and engines
     resolve it (``workers.engines.base.resolve_dtype``)."""
-    import torch
-
-    from workers.engines.base import resolve_dtype
-
-    return str(resolve_dtype(dtype, torch.device("cuda" if kind == "gpu" else "cpu"))).removeprefix("torch.")
+    return compute_dtype_name(dtype, "cuda" if kind == "gpu" else "cpu")
 
 
 def machine_memory() -> int:

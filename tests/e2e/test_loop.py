@@ -142,6 +142,10 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     if layout == "auto":  # while it runs: only the run's own processes can talk to it
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
         assert_only_the_runs_keys_reach_handlers(run_dir, proc)
+        # The launcher checked, planned, hosts the ranks' store and writes the placement's
+        # TensorBoard scalars without loading torch (~200 MB): its children do all of that.
+        loaded = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in loaded and "transformers" not in loaded, "the launcher loaded torch"
     if layout == "disaggregated":  # while it runs: junk into every port crashes, hangs and poisons nothing
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 600)
         registry = launcher_ports(proc.pid, run_dir)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import psutil
@@ -102,21 +103,47 @@ def test_forked_roles_and_the_server_die_with_a_sigkilled_launcher(tmp_path: Pat
     assert not shutdown.exists(), "the server shut down in its own time instead of dying with its launcher"
 
 
+PRELOADED = """
+import sys
+from launch.config import load_run_config
+from launch.local import LocalLauncher
+from tests.launch.test_forkserver import imported
+launcher = LocalLauncher(load_run_config(None, [f"model.path={sys.argv[1]}"]), __import__("pathlib").Path(sys.argv[2]))
+receive, send = launcher.fork_server.pipe()
+child = launcher.fork_server.call(imported, send, "transformers.models.qwen2.", name="probe")
+send.close()
+print(" ".join(receive.recv()))
+print(" ".join(name for name in sys.modules if name.startswith("transformers")))
+child.join()
+"""
+
+
+def imported(send: Connection, prefix: str) -> None:
+    """In a child of the server: which of its modules start with ``prefix``."""
+    send.send(sorted(name for name in sys.modules if name.startswith(prefix)))
+
+
 def test_the_server_preloads_the_module_that_defines_the_runs_model(tmp_path: Path) -> None:
     """transformers imports a model type's module on the first load of such a model: in
-    every forked trainer rank and generator unless the server imported it."""
-    import importlib
-
-    from launch.config import load_run_config
+    every forked trainer rank and generator unless the server imported it. The server
+    names that module itself, from the run's model.path: the launcher never imports
+    transformers."""
     from launch.forkserver import model_modules
-    from launch.local import LocalLauncher
 
-    launcher = LocalLauncher(load_run_config(None), tmp_path / "run")
-    assert launcher.fork_server is not None
-    assert "transformers.models.llama.modeling_llama" in launcher.fork_server.preload  # the default: a tiny Llama
     (tmp_path / "qwen").mkdir()
     (tmp_path / "qwen" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert model_modules(str(tmp_path / "qwen")) == ["transformers.models.qwen2.modeling_qwen2"]
     assert model_modules(str(tmp_path / "missing")) == []
-    for module in model_modules("") + model_modules(str(tmp_path / "qwen")):
-        importlib.import_module(module)
+    assert model_modules("") == ["transformers.models.llama.modeling_llama"]  # the built-in models
+    root = Path(__file__).parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", PRELOADED, str(tmp_path / "qwen"), str(tmp_path / "run")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    in_server, in_launcher = done.stdout.splitlines()[-2:]
+    assert "transformers.models.qwen2.modeling_qwen2" in in_server.split(), in_server
+    assert in_launcher == "", in_launcher

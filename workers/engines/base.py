@@ -21,7 +21,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from protocols.messages import SamplingParams
-from yatt.errors import ConfigError, ProtocolError
+from yatt.errors import ProtocolError
+from yatt.runtime.dtypes import compute_dtype_name
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -129,29 +130,11 @@ def validate_requests(requests: Sequence[PromptRequest], max_len: int | None) ->
             )
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU computes bfloat16 natively (AMX tiles or AVX512-BF16): there bf16
-    matmuls run ~10x faster than float32 (measured on this project's CI machine)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
-
-
 def resolve_dtype(dtype: DType | str, device: torch.device) -> torch.dtype:
     """The compute dtype ``model.dtype`` names; ``auto`` is bfloat16 on GPU and on a CPU
     with native bf16 (``cpu_has_bf16``), else float32. Trainer and engines both resolve it
     here, so they compute in the same dtype."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type != "cpu" or cpu_has_bf16() else torch.float32
-    resolved = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if resolved is None:
-        raise ConfigError(f"model.dtype must be auto, float32, bfloat16 or float16 (got {dtype!r})")
+    resolved: torch.dtype = getattr(torch, compute_dtype_name(dtype, device.type))
     return resolved
 
 

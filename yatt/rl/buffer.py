@@ -56,7 +56,7 @@ from yatt.errors import ConfigError, ProtocolError, RunStopped, StorageError
 from yatt.rl.config import BufferConfig, EvalConfig
 from yatt.rl.evaluation import EvalRound, is_eval
 from yatt.rl.ledger import Ledger
-from yatt.rl.sampling import SamplingBuffer, check_world_size, pack, step_report, unpack_turn
+from yatt.rl.sampling import SamplingBuffer, pack, step_report, unpack_turn
 from yatt.runtime import trace
 from yatt.runtime.actor import Actor, handles
 from yatt.runtime.transport import Transport
@@ -331,7 +331,7 @@ class Buffer(Actor):
             mark = read_mark(start) if start is not None else 0
             world_size = _count_arg(msg, "world_size", str(self.world_size))  # a new trainer group's size
             try:
-                check_world_size(self.buffer_config, world_size)
+                self.buffer_config.check_world_size(world_size)
             except ConfigError as e:
                 raise ProtocolError(f"Query('rewind').args.world_size={world_size}: {e}") from e
             previous, self.world_size = self.world_size, world_size

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from yatt.errors import ConfigError
 from yatt.rl.tasks import TASKS
 from yatt.runtime.configtools import require
 
@@ -564,6 +565,19 @@ class BufferConfig:
         )
         require(self.max_oversample >= 1, "max_oversample", f"must be >= 1 (got {self.max_oversample})")
         require(0 <= self.acceptance_ema < 1, "acceptance_ema", f"must be in [0, 1) (got {self.acceptance_ema})")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``ConfigError`` unless a micro-batch wave splits evenly over ``world_size`` ranks."""
+        per_wave = self.groups_per_step // self.micro_batches_per_step * self.group_size
+        if world_size < 1 or per_wave % world_size:
+            raise ConfigError(
+                f"a micro-batch wave has {per_wave} samples (buffer.groups_per_step / micro_batches_per_step"
+                f" * group_size), which does not split evenly over {world_size} trainer ranks"
+            )
+
+
+CUSTOM_FILTER = "a function f(group: ScoredGroup) -> str that returns '' to keep the group or why it drops it"
+"""What ``buffer.custom_filter`` must name."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ import torch
 from protocols.codec import decode, decode_fields, encode
 from protocols.messages import ForkedRow, GroupKey, MicroBatch, ScoredGroup, TurnRecord
 from yatt.errors import ConfigError, ProtocolError
-from yatt.rl.config import BufferConfig
+from yatt.rl.config import CUSTOM_FILTER, BufferConfig
 from yatt.rl.ledger import EVENT_STATUSES, GROUP_STATUSES, Ledger, Status
 from yatt.runtime.plugins import load_plugin
 
@@ -60,9 +60,6 @@ logger = logging.getLogger(__name__)
 
 ALL_EQUAL = "all rewards equal"
 """The all_equal filter's reason."""
-
-CUSTOM_FILTER = "a function f(group: ScoredGroup) -> str that returns '' to keep the group or why it drops it"
-"""What ``buffer.custom_filter`` must name."""
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
@@ -311,16 +308,6 @@ class Stats:
     rolled_back: int = 0
 
 
-def check_world_size(config: BufferConfig, world_size: int) -> None:
-    """Raise ``ConfigError`` unless a micro-batch wave splits evenly over ``world_size`` ranks."""
-    per_wave = config.groups_per_step // config.micro_batches_per_step * config.group_size
-    if world_size < 1 or per_wave % world_size:
-        raise ConfigError(
-            f"a micro-batch wave has {per_wave} samples (buffer.groups_per_step / micro_batches_per_step"
-            f" * group_size), which does not split evenly over {world_size} trainer ranks"
-        )
-
-
 class SamplingBuffer:
     """Decides what happens to every group, in the seeded prompt order."""
 
@@ -341,7 +328,7 @@ class SamplingBuffer:
         computes their prompt once there), where there are as many groups as ranks."""
         if num_prompts < 1:
             raise ConfigError(f"the dataset has no prompts (num_prompts={num_prompts})")
-        check_world_size(config, world_size)
+        config.check_world_size(world_size)
         self.config = config
         self.total_steps = total_steps
         self.world_size = world_size

@@ -152,7 +152,7 @@ both; training MFU >= 40 % of the bf16 peak on SmolLM2.
 Options (``--set KEY=VALUE``): ``sizes=[tiny,smollm2]`` (default ``[tiny]``),
 ``layouts`` (default ``[auto,colocated,partial,disaggregated]``), ``repeats`` (default 2),
 ``tiny_steps`` (default 40), ``smollm2_steps`` (default 10), ``trl_threads`` (default 0:
-all cores). ``--quick``: tiny, 6 steps, layout auto, 1 repeat (about 2 minutes here).
+all cores), ``overrides`` (more yatt items, e.g. ``[generator.backend=vllm]``). ``--quick``: tiny, 6 steps, layout auto, 1 repeat (about 2 minutes here).
 """
 
 from __future__ import annotations
@@ -235,6 +235,9 @@ class Options:
     """Optimizer steps of the SmolLM2 job."""
     trl_threads: int = 0
     """torch threads of the TRL process; 0: all cores (os.cpu_count())."""
+    overrides: list[str] = field(default_factory=list)
+    """More yatt items after the job's (``generator.backend=vllm``); those TRL's job shares
+    (lr, batch, lengths) apply to it too."""
 
     def __post_init__(self) -> None:
         require(bool(self.sizes), "sizes", "must name at least one size: tiny, smollm2")
@@ -248,6 +251,8 @@ class Options:
             value = getattr(self, name)
             require(value >= WINDOW, name, f"must be >= {WINDOW}, the reward's moving-average window (got {value})")
         require(self.trl_threads >= 0, "trl_threads", f"must be >= 0, 0 for all cores (got {self.trl_threads})")
+        bad = [item for item in self.overrides if "=" not in item]
+        require(not bad, "overrides", f"must be dotted.key=value items (got {bad})")
 
 
 def _model_dir(size: Size, scratch: Path) -> Path:
@@ -436,7 +441,7 @@ def _job(size: Size, steps: int, opts: Options, scratch: Path) -> Job:
     from yatt.placement.costs import hf_param_count
 
     model_dir = _model_dir(size, scratch)
-    overrides = [f"model.path={model_dir}", f"run.steps={steps}", *JOBS[size]]
+    overrides = [f"model.path={model_dir}", f"run.steps={steps}", *JOBS[size], *opts.overrides]
     spec, prompt_tokens = _trl_spec(load_run_config(None, overrides), model_dir, opts.trl_threads)
     per_step = 60.0 if size == "tiny" else 300.0
     return Job(

@@ -331,3 +331,34 @@ def test_an_error_in_the_checks_child_is_raised_in_the_launcher(tmp_path: Path) 
         asyncio.run(crashed._check())
     notes = "".join(raised.value.__notes__)
     assert "in the checks' process" in notes and "in make_plan" in notes, notes
+
+
+def test_the_trainer_ranks_store_is_hosted_by_a_child_of_the_fork_server(tmp_path: Path) -> None:
+    """The launcher does not import torch for the ranks' TCPStore: a process forked from the
+    fork server hosts it; a restarted group's store replaces it on the same port (SLURM's
+    fixed one), and a store that cannot listen is an error in the launcher."""
+    import multiprocessing.process
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    launcher = LocalLauncher(load_run_config(None), tmp_path / "run")
+    assert launcher.fork_server is not None
+    try:
+        port = launcher.host_store(0)
+        first = launcher._store
+        assert isinstance(first, multiprocessing.process.BaseProcess) and first.is_alive()
+        assert first.pid != os.getpid()
+        client = TCPStore(launcher.host, port, None, False, timeout=timedelta(seconds=30))
+        client.set("rank0", "here")
+        assert client.get("rank0") == b"here"
+        del client
+        assert launcher.host_store(port) == port  # the first store's port, free again
+        assert not first.is_alive()
+        with socket.create_server((launcher.host, 0)) as taken:
+            with pytest.raises(RuntimeError, match="Address already in use"):
+                launcher.host_store(taken.getsockname()[1])
+    finally:
+        launcher._close_store()
+    assert launcher._store is None

@@ -409,3 +409,31 @@ def test_decode_fields_decodes_only_the_fields_asked_for() -> None:
     del header["f"]["rewards"]
     with pytest.raises(ProtocolError, match=r"ScoredGroup\.rewards: missing field"):
         decode_fields([frames[0], msgpack.packb(header), *frames[2:]], P.ScoredGroup, ("rewards",))
+
+
+TORCH_FREE = """
+import sys
+import numpy as np
+import protocols as P
+frames = [bytes(f) for f in P.encode(P.Query(what="stats", args={"step": "3"}))]
+assert P.decode(frames) == P.Query(what="stats", args={"step": "3"})
+print("torch" in sys.modules)
+ids = np.arange(5, dtype=np.int32)  # a tensor field encoded from numpy, as a torch-free sender may
+completion = P.Completion(token_ids=ids, logprobs=np.zeros(5, np.float32), finish_reason="stop", policy_version_min=0, policy_version_max=0)
+frames = [bytes(f) for f in P.encode(P.Completions(group_key=P.GroupKey(epoch=0, shard=0, prompt_index=1), completions=[completion]))]
+got = P.decode(frames)
+got = got.completions[0]
+print("torch" in sys.modules, type(got.token_ids).__name__, got.token_ids.tolist())
+"""
+
+
+def test_the_codec_loads_torch_on_the_first_tensor_only() -> None:
+    """A process that passes only tensor-free messages (the launcher) never imports torch
+    (~200 MB); the first tensor it decodes does, and comes out a torch tensor."""
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-c", TORCH_FREE], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "Tensor", "[0,", "1,", "2,", "3,", "4]"], done.stdout

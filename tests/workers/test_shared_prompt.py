@@ -128,7 +128,8 @@ def test_the_prompts_gradient_is_the_sum_of_its_rows(model: torch.nn.Module) -> 
         torch.autograd.backward((fn(model, batch) * weights).sum())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert grads[0].norm() > 0
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+    scale, err = float(grads[0].abs().max()), float((grads[1] - grads[0]).abs().max())
+    assert err <= 4e-6 * scale, f"max error {err:.3g} vs scale {scale:.3g}"  # float32 summation order
 
 
 # ---------------------------------------------------------------- padded vs shared trainers

@@ -381,13 +381,15 @@ def several(tiny_model_dir: Path, work_dir: Path) -> Results:
 
 
 def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Equal up to float32 summation order: max error <= 1e-6 of the tensor's largest entry."""
+    """Equal up to float32 summation order: max error <= 4e-6 of the tensor's largest entry
+    (~30 float32 epsilons; 1e-6 held on an AMD EPYC, an Intel Xeon with AMX's kernels gave
+    1.05e-6 for packed rows: another order; a broken mask or sum is off by the entry's size)."""
     assert a.keys() == b.keys()
     for name in a:
         scale = float(a[name].abs().max())
         assert scale > 0, f"{name} has an all-zero gradient"
         err = float((a[name] - b[name]).abs().max())
-        assert err <= 1e-6 * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+        assert err <= 4e-6 * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])

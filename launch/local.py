@@ -704,8 +704,7 @@ def _check_in_child(launcher: LocalLauncher, send: Connection, environ: dict[str
     try:
         launcher._checked()
     except Exception as e:  # every error reaches the launcher, raised there
-        kind = "config" if isinstance(e, ConfigError) else "storage" if isinstance(e, StorageError) else type(e).__name__
-        send.send(("raised", (kind, str(e), traceback.format_exc())))
+        send.send(("raised", _as_data(e)))
         return
     send.send(("done", {name: getattr(launcher, name) for name in launcher.CHECKED}))
 
@@ -732,12 +731,19 @@ def _host_store_in_child(host: str, port: int, send: Connection) -> None:
     try:
         store, bound = open_store(host, port)
     except Exception as e:
-        send.send(("raised", (type(e).__name__, str(e), traceback.format_exc())))
+        send.send(("raised", _as_data(e)))
         return
     send.send(("done", bound))
     send.close()
     while store is not None:  # the store's server runs in its own thread
         signal.pause()
+
+
+def _as_data(error: Exception) -> tuple[str, str, str]:
+    """A child's error as plain data for its launcher (``_raised`` makes it again): its kind
+    (config, storage or the exception's name), its text and the child's traceback."""
+    kind = "config" if isinstance(error, ConfigError) else "storage" if isinstance(error, StorageError) else type(error).__name__
+    return kind, str(error), traceback.format_exc()
 
 
 def _raised(kind: str, text: str, trace: str) -> Exception:

@@ -30,6 +30,7 @@ import importlib.util
 import inspect
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +86,7 @@ def check_against(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prom
     """What needs the model (``model_path``, its config.json and weights' names), the
     tokenised prompts (training, held out) and the trainer ranks of the plan (0: a run
     without a trainer, ``launch eval``)."""
-    try:
-        model = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path {str(model_path)!r}: cannot read its config.json ({e})") from None
-    if not isinstance(model, dict):
-        raise ConfigError(f"model.path {str(model_path)!r}: its config.json must hold an object")
+    model = _model_config(model_path)
     prompts = [*prompt_sets[0], *prompt_sets[1]]
     _check_token_ids(cfg.buffer, model, model_path, prompts)
     if ranks:
@@ -102,6 +98,31 @@ def check_against(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prom
         _check_vllm(model, model_path)
     if cfg.env.enabled:
         _check_episodes(cfg, model, model_path)
+
+
+def vllm_refusal(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Prompt], list[Prompt]]) -> str | None:
+    """Why ``generator.backend=vllm`` would be refused for this run (``check_against``'s
+    message), or None where vLLM can serve it: what ``generator.backend=auto`` may choose."""
+    as_vllm = replace(cfg, generator=replace(cfg.generator, backend="vllm"))
+    model = _model_config(model_path)
+    try:
+        if cfg.model.lora.rank > 512:
+            raise ConfigError(f"model.lora.rank = {cfg.model.lora.rank}: vLLM serves adapters up to rank 512")
+        _check_vllm(model, model_path)
+        _check_lengths(as_vllm, model, prompt_sets)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _model_config(model_path: Path) -> dict[str, Any]:
+    try:
+        model = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path {str(model_path)!r}: cannot read its config.json ({e})") from None
+    if not isinstance(model, dict):
+        raise ConfigError(f"model.path {str(model_path)!r}: its config.json must hold an object")
+    return model
 
 
 # ------------------------------------------------------------------ the config alone

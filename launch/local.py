@@ -39,11 +39,12 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from launch.checks import advice, check_against, check_config
+from launch.checks import advice, check_against, check_config, vllm_refusal
 from launch.config import RunConfig, dump_run_config
 from launch.forkserver import PRELOAD, ForkServer, RoleProcess, become_forked_child
 from launch.placement.adapter import Adapter
@@ -88,12 +89,16 @@ from yatt.errors import (
 )
 from yatt.placement.adaptive import SwitchCosts
 from yatt.placement.plan import ClusterSpec, Plan
+from yatt.placement.planner import engines_of
 from yatt.rl.checkpoints import withdraw_checkpoint_request
 from yatt.runtime import run_dir as names
 from yatt.runtime import trace
 from yatt.runtime.lifetime import die_with_parent, release_freed_memory
 from yatt.runtime.registry import Directory, Registry
 from yatt.runtime.transport import Transport
+
+if TYPE_CHECKING:
+    from yatt.rl.data import Prompt
 
 RESTARTABLE = ("controller", "env", "generator", "reward", "buffer")
 GRACE_S = 15.0
@@ -133,6 +138,8 @@ class LocalLauncher:
         self.prompt_tokens: float | None = None
         """The training prompts' mean length in tokens (the planner's workload), once read."""
         self.gpu_slots = False  # the plan's slots are GPUs
+        self.engine_note = ""
+        """Which engine ``generator.backend=auto`` chose and why, once chosen."""
         self.trainer_resume = resume
         """The checkpoint the trainer group (re)starts from."""
         self.incarnation = 0
@@ -263,6 +270,8 @@ class LocalLauncher:
             return 1
         if self.plan is not None:
             print(f"yatt: {describe(self.plan)}", flush=True)
+        if self.engine_note:
+            print(f"yatt: {self.engine_note}", flush=True)
         for line in advice(self.cfg):
             print(f"yatt: note: {line}", flush=True)
         stop = asyncio.Event()
@@ -303,7 +312,7 @@ class LocalLauncher:
                 self._close_store()
                 await registry.close()
 
-    CHECKED = ("cfg", "model_path", "prompt_tokens", "plan", "cluster", "gpu_slots")
+    CHECKED = ("cfg", "model_path", "prompt_tokens", "plan", "cluster", "gpu_slots", "engine_note")
     """What the checks set on the launcher (``_checked``), sent back from the process they ran in."""
 
     def __getstate__(self) -> dict[str, object]:
@@ -377,6 +386,8 @@ class LocalLauncher:
         check_custom_scorers(self.cfg.reward, {key for p in prompts[:100] for key in p.metadata})
         self.plan = self.make_plan()
         self.cfg = with_planned_ranks(self.cfg, self.plan)
+        if self.cfg.generator.backend == "auto":
+            self._choose_engine(sets)
         check_against(self.cfg, self.model_path, sets, self.world_size if self.processes().get("trainer") else 0)
         warm_start_once(self.cfg, self.model_path, prompts)
         if self.resume is not None:  # the steps after the checkpoint are trained again
@@ -384,6 +395,22 @@ class LocalLauncher:
         self.cfg = with_run_keys(self.cfg, self.run_dir)
         with writing(self.run_dir / names.CONFIG):
             dump_run_config(self.cfg, self.run_dir / names.CONFIG)
+
+    def _choose_engine(self, sets: tuple[list[Prompt], list[Prompt]]) -> None:
+        """``generator.backend=auto`` made the faster engine for this run, measured where
+        vLLM could win (``launch.placement.engines``); on a GPU the plan is made again for
+        vLLM's share of the device."""
+        from launch.placement.engines import choose_engine
+
+        engines = engines_of(self.plan) if self.plan is not None else []
+        threads = role_threads(self.cfg, engines[0].role, engines[0].index, self.plan) if engines else 1
+        refusal = vllm_refusal(self.cfg, self.model_path, sets)
+        choice = choose_engine(self.cfg, self.plan, self.model_path, sets[0], refusal=refusal, threads=threads,
+                               device="cuda" if self.gpu_slots else "cpu")
+        self.cfg = replace(self.cfg, generator=replace(self.cfg.generator, backend=choice.backend))
+        self.engine_note = f"generator: {choice.backend} (generator.backend=auto: {choice.reason})"
+        if choice.backend == "vllm" and self.gpu_slots:
+            self.plan = self.make_plan()
 
     def spawn(self, role: str, index: int, restarts: int = 0) -> Proc:
         log = self.run_dir / names.LOGS / f"{role}-{index}.log"

@@ -183,6 +183,10 @@ def test_default_job_learns(tmp_path: Path, layout: str) -> None:
     if layout == "auto":
         assert planned_layout(run_dir) in LAYOUTS[1:]
         assert "placement: " in (run_dir.parent / "default.launcher.log").read_text()
+        # generator.backend=auto: 80 steps of ~0.2 s are over before vLLM could have started
+        assert "yatt: generator: transformers (generator.backend=auto: the whole run is planned at " in (
+            run_dir.parent / "default.launcher.log").read_text()
+        assert load_run_config(run_dir / "config.yaml").generator.backend == "transformers"
     else:
         assert planned_layout(run_dir) == layout
     if planned_layout(run_dir) == "colocated":  # each rank's engine and training took turns

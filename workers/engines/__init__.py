@@ -22,7 +22,7 @@ def make_engine(
     ``ModelConfig.dtype`` (auto: bfloat16 on GPU and on a CPU with native bf16, else float32);
     ``lora``: the trainer's adapters (``ModelConfig.lora``); updates then carry only them.
     """
-    if config.backend == "transformers":
+    if config.backend in ("transformers", "auto"):  # (auto: a run's launcher resolves it; used alone, the portable engine)
         from workers.engines.hf import HFEngine
 
         return HFEngine(model_path, config, device=device, dtype=dtype, lora=lora)
@@ -30,4 +30,4 @@ def make_engine(
         from workers.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, config, device=device, dtype=dtype, lora=lora)
-    raise ConfigError(f"generator.backend must be 'transformers' or 'vllm' (got {config.backend!r})")
+    raise ConfigError(f"generator.backend must be 'auto', 'transformers' or 'vllm' (got {config.backend!r})")

@@ -70,8 +70,10 @@ class ModelConfig:
 class GeneratorConfig:
     """One generator worker (an inference engine serving GenerateRequests)."""
 
-    backend: Literal["transformers", "vllm"] = "transformers"
-    """transformers: batched HF generate, runs anywhere; vllm: the vLLM engine."""
+    backend: Literal["auto", "transformers", "vllm"] = "auto"
+    """transformers: batched HF generate, runs anywhere; vllm: the vLLM engine; auto: the
+    one that generates the run faster, measured on this machine where vLLM could win
+    (launch/placement/engines.py), else transformers."""
     max_batch_prompts: int = 64
     """Most prompts (groups) batched into one engine call."""
     batch_wait_ms: float = 5.0

@@ -6,7 +6,10 @@ both frameworks get the same model directory, tokenizer, prompts (token for toke
 reward function, group size, batch, completion length, learning rate, optimizer, compute
 dtype and number of steps. Each repeat runs every yatt layout and TRL once, the order
 reversed in every other repeat (A B C T, T C B A, ...), so that load drifting over the
-benchmark weighs on each about equally; figures are medians over the repeats::
+benchmark weighs on each about equally, and with a seed of its own (repeat r: yatt's
+``run.seed=r``, TRL's ``seed=r``), so that the repeats are realisations of both learning
+curves, not the same curves timed again; figures are medians over the repeats, and the
+notes list each repeat's time-to-reward ratio (their spread)::
 
     load_run_config(overrides) --> run_yatt: python -m launch run OVERRIDES placement.layout=L
          |                                    metrics.jsonl, plan.json, wall time, peak PSS of the tree
@@ -163,7 +166,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -454,9 +457,9 @@ def _job(size: Size, steps: int, opts: Options, scratch: Path) -> Job:
     )
 
 
-def _run_yatt(job: Job, layout: Layout, run_dir: Path) -> tuple[Side, str]:
+def _run_yatt(job: Job, layout: Layout, run_dir: Path, *, seed: int) -> tuple[Side, str]:
     """One yatt run in ``layout``; also the layout and rank count its plan placed (auto's pick)."""
-    run = run_yatt([*job.overrides, f"placement.layout={layout}"], run_dir, timeout_s=job.timeout_s)
+    run = run_yatt([*job.overrides, f"placement.layout={layout}", f"run.seed={seed}"], run_dir, timeout_s=job.timeout_s)
     measured = Monitored(
         started_unix=run.started_unix, wall_s=run.wall_s, peak_memory_mb=run.peak_memory_mb,
         memory_samples=run.memory_samples,
@@ -467,9 +470,9 @@ def _run_yatt(job: Job, layout: Layout, run_dir: Path) -> tuple[Side, str]:
     return side, f"{plan['layout']} ({ranks} trainer rank{'s' if ranks > 1 else ''})"
 
 
-def _run_trl(job: Job, out: Path) -> Side:
+def _run_trl(job: Job, out: Path, *, seed: int) -> Side:
     out.mkdir()
-    job.spec.dump(out / "spec.json")
+    replace(job.spec, seed=seed).dump(out / "spec.json")
     cmd = [sys.executable, "-m", "benchmarks.trl_grpo", str(out / "spec.json"), str(out)]
     measured = run_monitored(cmd, out / "trl.log", timeout_s=job.timeout_s, what=f"TRL job ({job.size})")
     return _side(job, read_jsonl(out / names.METRICS), measured, "TRL")
@@ -496,9 +499,9 @@ def measure(job: Job, opts: Options, scratch: Path, peak_flops: float, result: R
     for r in range(opts.repeats):
         for name in (order if r % 2 == 0 else order[::-1]):
             if name == "trl":
-                trl.append(_run_trl(job, scratch / f"{size}-trl-{r}"))
+                trl.append(_run_trl(job, scratch / f"{size}-trl-{r}", seed=r))
                 continue
-            side, placed = _run_yatt(job, name, scratch / f"{size}-{name}-{r}")
+            side, placed = _run_yatt(job, name, scratch / f"{size}-{name}-{r}", seed=r)
             yatt[name].append(side)
             if name == "auto":
                 picked.append(placed)
@@ -512,6 +515,10 @@ def measure(job: Job, opts: Options, scratch: Path, peak_flops: float, result: R
         pairs = list(zip(sides, trl, strict=True))
         reached = [_time_to_reward_ratio(y, t) for y, t in pairs]
         missed = sum(ratio is None for ratio in reached)
+        result.notes.append(
+            f"{size} {layout}: time to TRL's final reward vs TRL per repeat (seed r = repeat r): "
+            + ", ".join("never" if ratio is None else f"{ratio:.2f}x" for ratio in reached)
+        )
         if missed:
             result.notes.append(
                 f"{size} {layout}: in {missed} of {len(pairs)} repeats yatt's {WINDOW}-step average reward never "

@@ -424,7 +424,8 @@ def test_the_default_job_on_two_nodes_learns(
 @pytest.mark.slow
 def test_scancel_mid_run_leaves_no_process(cluster: tuple[int, int], tmp_path: Path, cancel_after: list[str]) -> None:
     run_dir = tmp_path / "cancelled"
-    job_id = submit(run_dir, "run.steps=500", "placement.layout=disaggregated")  # generator steps too
+    job_id = submit(run_dir, "run.steps=500", "placement.layout=disaggregated",  # generator steps too
+                    "generator.backend=transformers")  # (auto would measure vLLM first: 500 steps could pay for its start)
     cancel_after.append(job_id)
     out = run_dir / f"slurm-{job_id}.out"
     wait_for(lambda: len(metrics(run_dir)) >= 2, 600, "two steps", out)

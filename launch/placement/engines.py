@@ -11,7 +11,9 @@ is worth it, and predicts each engine's generation over the run::
     run_s = start_s + run.steps * (generate_s + update_s)         (workers/engines/probe.py)
 
 where ``generate_s`` is one step's batch (the run's first ``groups_per_step`` prompts,
-``group_size`` samples each, the controller's sampling) and ``update_s`` one weight update.
+``group_size`` samples each, the controller's sampling) and ``update_s`` one weight update
+(none for the transformers engine of a colocated rank, which generates with the rank's own
+module; vLLM's gathered weights' load is counted, their gather is not).
 The faster is the run's engine (``generator.backend`` in the run dir's config.yaml).
 
 Nothing is measured, and the transformers engine is kept, when vLLM is not installed, when
@@ -85,8 +87,8 @@ def pick(costs: dict[str, EngineCosts], steps: int) -> EngineChoice:
         return EngineChoice(backend="vllm", reason=f"the transformers engine could not run here ({hf.error})")
 
     def line(name: str, c: EngineCosts) -> str:
-        return (f"{name} {c.run_s(steps):.0f} s ({c.start_s:.1f} s start, {c.generate_s:.2f} s a batch, "
-                f"{c.update_s:.2f} s an update)")
+        return (f"{name} {c.run_s(steps):.0f} s ({c.start_s:.1f} s start, {c.generate_s:.3g} s a batch, "
+                f"{c.update_s:.3g} s an update)")
 
     faster: Literal["transformers", "vllm"] = "vllm" if vllm.run_s(steps) < hf.run_s(steps) else "transformers"
     return EngineChoice(backend=faster, reason=f"measured over {steps} steps: {line('vLLM', vllm)}; "
@@ -119,6 +121,9 @@ def choose_engine(cfg: RunConfig, plan: Plan | None, model_path: Path, prompts: 
     }
     costs = {backend: measured(probe, replace(cfg.generator, backend=backend), threads)
              for backend in ("transformers", "vllm")}
+    if plan is not None and any(a.hosts_generator for a in plan.of("trainer")):
+        # Colocated, the transformers engine generates with the rank's own module: no update to load.
+        costs["transformers"] = replace(costs["transformers"], update_s=0.0)
     return pick(costs, cfg.run.steps)
 
 

@@ -14,7 +14,7 @@ import pytest
 from launch.checks import vllm_refusal
 from launch.config import RunConfig, load_run_config
 from launch.placement.engines import VLLM_START_S, EngineCosts, cache_file, choose_engine, measured, pick
-from yatt.placement.plan import Plan
+from yatt.placement.plan import Assignment, Plan
 from yatt.rl.data import Prompt, load_prompt_sets
 
 
@@ -37,8 +37,8 @@ def test_the_faster_engine_over_the_run_is_picked_its_start_counted() -> None:
     assert pick(both, 100).backend == "transformers"  # 135 s against 133 s
     longer = pick(both, 110)  # 141 s against 146 s
     assert longer.backend == "vllm"
-    assert longer.reason == ("measured over 110 steps: vLLM 141 s (75.0 s start, 0.40 s a batch, 0.20 s an update); "
-                             "transformers 146 s (3.0 s start, 1.20 s a batch, 0.10 s an update)")
+    assert longer.reason == ("measured over 110 steps: vLLM 141 s (75.0 s start, 0.4 s a batch, 0.2 s an update); "
+                             "transformers 146 s (3.0 s start, 1.2 s a batch, 0.1 s an update)")
     broken = pick({"transformers": hf, "vllm": EngineCosts(error="exit code 1: RuntimeError: no KV cache")}, 10_000)
     assert broken.backend == "transformers" and "vLLM could not run here (exit code 1: RuntimeError: no KV cache)" in broken.reason
 
@@ -95,3 +95,8 @@ def test_auto_measures_both_engines_on_the_runs_batch_once(tmp_path: Path, monke
     assert choice.backend == ("vllm" if vllm_s < hf_s else "transformers")
     monkeypatch.setattr(subprocess, "run", no_probe)
     assert choose_engine(cfg, planned(0.2), tiny_model_dir, train, refusal=None, threads=2, device="cpu") == choice
+    # Colocated, the transformers engine generates with the rank's own module: no update to load.
+    rank = Assignment(role="trainer", index=0, slots=(0, 1), threads=2, hosts_generator=True)
+    colocated = Plan(layout="colocated", assignments=(rank,), predicted_step_s=0.2)
+    shared = choose_engine(cfg, colocated, tiny_model_dir, train, refusal=None, threads=2, device="cpu")
+    assert shared.reason.endswith(" 0 s an update)") and not choice.reason.endswith(" 0 s an update)"), shared

@@ -571,12 +571,12 @@ def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> 
             measure(_job(size, steps, opts, Path(scratch)), opts, Path(scratch), peak_flops, result)
     sequence = " ".join([*opts.layouts, "TRL"])
     result.notes += [
-        "yatt: buffer, reward, 2 controllers, 2 FSDP2 trainer ranks and, unless colocated, a generator "
-        "process, with the cores and threads of its plan (launch.processes.role_threads); "
+        "yatt: buffer, reward, 2 controllers, 1 or 2 FSDP2 trainer ranks (as its plan picks) and, "
+        "unless colocated, a generator process, with the cores and threads of its plan (launch.processes.role_threads); "
         f"TRL: one process with {opts.trl_threads or threads} torch thread(s)",
         "prompt order and sampling seeds differ (each framework shuffles and seeds its own way)",
         "GRPO advantage eps: yatt 1e-6, TRL 1e-4 (hard-coded); both use the unbiased group std",
-        "yatt splits each step over 2 trainer ranks x 2 micro-batches, TRL over 2 micro-batches; "
+        "yatt splits each step over its trainer ranks x 2 micro-batches, TRL over 2 micro-batches; "
         "both normalise by the step's global token count",
         "bfloat16: yatt casts the weights for each forward (FSDP2 mixed precision), TRL autocasts; "
         "both keep float32 master weights",

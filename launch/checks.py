@@ -43,6 +43,7 @@ from yatt.rl.agents.envs import check_env
 from yatt.rl.config import (
     CUSTOM_FILTER,
     POLICY_LOSSES,
+    VLLM_MAX_LORA_RANK,
     BufferConfig,
     ModelConfig,
     RewardConfig,
@@ -106,8 +107,10 @@ def vllm_refusal(cfg: RunConfig, model_path: Path, prompt_sets: tuple[list[Promp
     as_vllm = replace(cfg, generator=replace(cfg.generator, backend="vllm"))
     model = _model_config(model_path)
     try:
-        if cfg.model.lora.rank > 512:
-            raise ConfigError(f"model.lora.rank = {cfg.model.lora.rank}: vLLM serves adapters up to rank 512")
+        if cfg.model.lora.rank > VLLM_MAX_LORA_RANK:
+            raise ConfigError(
+                f"model.lora.rank = {cfg.model.lora.rank}: vLLM serves adapters up to rank {VLLM_MAX_LORA_RANK}"
+            )
         _check_vllm(model, model_path)
         _check_lengths(as_vllm, model, prompt_sets)
     except ConfigError as e:

@@ -17,6 +17,7 @@ import yaml
 
 from yatt.errors import ConfigError
 from yatt.rl.config import (
+    VLLM_MAX_LORA_RANK,
     AlgorithmConfig,
     BufferConfig,
     ControllerConfig,
@@ -163,9 +164,10 @@ class RunConfig:
             f"{every}); make it a multiple of {every}",
         )
         require(
-            self.model.lora.rank <= 512 or self.generator.backend != "vllm",
+            self.model.lora.rank <= VLLM_MAX_LORA_RANK or self.generator.backend != "vllm",
             "model.lora.rank",
-            f"= {self.model.lora.rank}: vLLM serves adapters up to rank 512; lower it or use generator.backend=transformers",
+            f"= {self.model.lora.rank}: vLLM serves adapters up to rank {VLLM_MAX_LORA_RANK}; lower it or use "
+            "generator.backend=transformers",
         )
         mbs, runs = self.buffer.micro_batches_per_step, self.trainer.mini_batches
         require(

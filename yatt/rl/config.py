@@ -16,6 +16,9 @@ from yatt.errors import ConfigError
 from yatt.rl.tasks import TASKS
 from yatt.runtime.configtools import require
 
+VLLM_MAX_LORA_RANK = 512
+"""The largest LoRA rank vLLM serves (its ``max_lora_rank`` choices end there)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoRAConfig:

@@ -173,8 +173,14 @@ class RunLog:
             self._writer.close()
             self._writer = None
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
             self._wandb = None
+            # finish() only informs wandb's service that the run is done; its record log
+            # (run-*.wandb) is flushed when the service closes the run's stream, so wait for
+            # the service here: what close() returns after is on disk for `wandb sync`.
+            wandb.teardown()
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

@@ -16,15 +16,21 @@ scores, every raw score, and why any scorer failed (a failed score counts as 0):
 
 Why processes for rules: they are synchronous, and a rule can hang where no signal or
 exception reaches it (a regex that backtracks forever, a sympy simplification in C, a
-user's function). Only a process can be stopped from outside, so a call past its limit
+user's function). Only a process can be stopped from outside, so a sample past its limit
 kills its pool; a fresh pool is started and warmed up (imports done) before any new
-timer starts, and the calls that were in flight on the killed pool are re-submitted with
-a fresh limit. Each timed-out call kills at most one pool, so a batch always ends. A
-process that dies by itself (os._exit, a segfault) breaks the pool too: the calls it took
-down are re-run alone, one at a time, so only the one that crashes again fails. At
-most ``processes`` calls are in flight, so a call's timer runs while it runs, not while
-it queues. math-verify arms SIGALRM for its own limits, which only works in a main
-thread: a pool process runs its calls in its main thread.
+timer starts, and the samples that were in flight on the killed pool are re-submitted with
+a fresh limit. Each timed-out sample kills at most one pool, so a batch always ends. A
+process that dies by itself (os._exit, a segfault) breaks the pool too: the samples it took
+down are re-run alone, one at a time, so only the one that crashes again fails.
+
+A batch goes to the pool as one call per process (a round trip costs ~0.5-1 ms here, about
+what the whole batch of a rule costs to score), each call scoring its samples in turn. The
+limit is still per sample: before each sample the process writes the sample's start into
+memory shared with the reward worker, which kills the pool when the running sample has
+run past ``timeout_s`` from its start; a sample that ended past its limit before that was
+seen fails the same way. At most ``processes`` calls are in flight, so a sample's timer
+runs while it runs, not while it queues. math-verify arms SIGALRM for its own limits,
+which only works in a main thread: a pool process runs its calls in its main thread.
 
 Why threads for models: a model forward does not hang the way a rule does, and its
 weights cannot be shared with a process pool. One call runs at a time; the batches that
@@ -43,6 +49,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import itertools
 import json
 import math
 import multiprocessing
@@ -321,7 +328,14 @@ def check_custom_scorers(config: RewardConfig, fields: set[str]) -> None:
                 )
 
 
-def _init_process(rules: tuple[Rule, ...], barrier: Barrier, forked: bool, parent: int) -> None:
+_PROGRESS: Any = None
+"""In a pool process: the memory shared with its pool's owner, per call slot the start of
+the sample being scored (``monotonic``, system-wide on Linux) and its index in the call."""
+
+
+def _init_process(rules: tuple[Rule, ...], barrier: Barrier, forked: bool, parent: int, progress: Any) -> None:
+    global _PROGRESS
+    _PROGRESS = progress
     die_with_parent(parent)  # an idle pool process would wait on its queue forever
     if forked:  # it has its reward worker's command line, which tools (ps, the benchmarks) take for the worker
         with contextlib.suppress(ImportError):
@@ -342,8 +356,33 @@ def _kill(executor: concurrent.futures.ProcessPoolExecutor, *, wait: bool = Fals
     executor.shutdown(wait=wait, cancel_futures=True)
 
 
-class ScorerTimeout(Exception):
-    """A scorer call passed its time limit."""
+_Scored = tuple[float, str, str, float]
+"""A sample scored in a pool process: its score, failure, traceback and seconds taken."""
+
+
+def _score_each(rule: Rule, samples: Sequence[ScoreInput], slot: int) -> list[_Scored]:
+    """In a pool process: ``rule`` on each sample in turn, the sample's start written to the
+    shared slot before it runs (its start first, then its index: the owner reads the start
+    to judge the limit, and the index only once the sample has hung in place)."""
+    scored: list[_Scored] = []
+    for index, sample in enumerate(samples):
+        start = time.monotonic()
+        _PROGRESS[2 * slot] = start
+        _PROGRESS[2 * slot + 1] = index
+        try:
+            scored.append((float(rule(sample)), "", "", time.monotonic() - start))
+        except Exception as e:  # any error of a scorer is this sample's failure, recorded
+            failure = f"{type(e).__name__}: {e}"
+            scored.append((0.0, failure, "".join(traceback.format_exception(e)), time.monotonic() - start))
+    return scored
+
+
+class _Hung(Exception):
+    """A call's sample ``index`` ran past its limit; the call's pool was killed."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
 
 
 class _Crashed(Exception):
@@ -351,20 +390,22 @@ class _Crashed(Exception):
 
 
 class ScorerPool:
-    """Rule calls in worker processes; a call past its limit kills and replaces the pool."""
+    """Rule calls in worker processes; a sample past its limit kills and replaces the pool."""
 
     def __init__(self, rules: tuple[Rule, ...], processes: int) -> None:
         self._rules = rules
         self._processes = processes
-        self._executor = self._start()
+        self._executor, self._progress = self._start()
         self._generation = 0
-        self._killed: set[int] = set()  # generations killed on purpose (a call hung)
+        self._killed: set[int] = set()  # generations killed on purpose (a sample hung)
         self._slots = asyncio.Semaphore(processes)
+        self._free = list(range(processes))  # the progress slots of the calls not in flight
         self._restart = asyncio.Lock()
-        self._isolated = asyncio.Lock()  # held by a call re-run alone after a crash
+        self._isolated = asyncio.Lock()  # held by a sample re-run alone after a crash
 
-    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
-        """A new pool with every process started and warm (blocks until then).
+    def _start(self) -> tuple[concurrent.futures.ProcessPoolExecutor, Any]:
+        """A new pool with every process started and warm (blocks until then), and the
+        memory its calls write their progress into.
 
         Forked while no Python thread but this one runs (~20 ms here, the rules' modules
         imported once, before the fork), else spawned (~1.8 s: a fresh interpreter imports
@@ -379,9 +420,11 @@ class ScorerPool:
                 rule.prepare()
         context = multiprocessing.get_context(method)
         barrier = context.Barrier(self._processes)
+        progress = context.RawArray("d", 2 * self._processes)  # a pool of its own: no write of a killed one lands
         executor = concurrent.futures.ProcessPoolExecutor(
-            self._processes, mp_context=context, initializer=_init_process, initargs=(self._rules, barrier, method == "fork", os.getpid())
-        )
+            self._processes, mp_context=context, initializer=_init_process,
+            initargs=(self._rules, barrier, method == "fork", os.getpid(), progress),
+        )  # fmt: skip
         # No process is idle before all have passed the barrier, so each submit spawns one.
         probes = [executor.submit(time.monotonic) for _ in range(self._processes)]
         try:
@@ -393,7 +436,7 @@ class ScorerPool:
                 f"the scorer pool did not start ({type(e).__name__}: {e}); its processes import the "
                 "rules' modules (math_verify, reasoning_gym, custom functions): check that they import"
             ) from e
-        return executor
+        return executor, progress
 
     async def _replace(self, generation: int, *, killed: bool) -> None:
         """Kill and replace the pool of ``generation``, unless that was done already."""
@@ -403,45 +446,85 @@ class ScorerPool:
             if killed:
                 self._killed.add(generation)
             _kill(self._executor)
-            self._executor = await asyncio.to_thread(self._start)
+            self._executor, self._progress = await asyncio.to_thread(self._start)
             self._generation += 1
 
-    async def run(self, rule: Rule, sample: ScoreInput, timeout_s: float) -> float:
-        """``rule(sample)`` in a pool process; ``ScorerTimeout`` past ``timeout_s``."""
+    async def score(self, rule: Rule, samples: Sequence[ScoreInput], timeout_s: float) -> list[Outcome]:
+        """``rule`` on every sample, each under ``timeout_s``: one call per pool process,
+        each taking an equal share of the samples in order."""
+        if not samples:
+            return []
+        calls = min(self._processes, len(samples))
+        bounds = [round(i * len(samples) / calls) for i in range(calls + 1)]
+        parts = await asyncio.gather(
+            *(self._call(rule, samples[lo:hi], timeout_s) for lo, hi in itertools.pairwise(bounds))
+        )
+        return [outcome for part in parts for outcome in part]
+
+    async def _call(self, rule: Rule, samples: Sequence[ScoreInput], timeout_s: float) -> list[Outcome]:
+        if not samples:
+            return []
         async with self._slots:
+            slot = self._free.pop()
             try:
-                return await self._attempt(rule, sample, timeout_s)
+                scored = await self._attempt(rule, samples, timeout_s, slot)
+                return [_outcome(s, timeout_s) for s in scored]
+            except _Hung as hung:
+                index = hung.index
             except _Crashed:
-                pass
-        # A process died under this call or under one beside it: run it again alone to tell.
+                index = -1
+            except Exception as e:  # the call itself failed (e.g. a sample that does not pickle)
+                return [_failed(e)] * len(samples)
+            finally:
+                self._free.append(slot)
+        if index >= 0:  # the rest of the call goes to the fresh pool, with fresh limits
+            before, after = await asyncio.gather(
+                self._call(rule, samples[:index], timeout_s), self._call(rule, samples[index + 1 :], timeout_s)
+            )
+            return [*before, Outcome(0.0, f"timed out after {timeout_s}s"), *after]
+        # A process died under this call or under one beside it: its samples, alone, tell.
+        return [await self._alone(rule, sample, timeout_s) for sample in samples]
+
+    async def _alone(self, rule: Rule, sample: ScoreInput, timeout_s: float) -> Outcome:
+        """``sample`` with no other call in flight; ActorFailed if its process dies again."""
         async with self._isolated:
             held = 0
             try:
                 for _ in range(self._processes):
                     await self._slots.acquire()
                     held += 1
-                return await self._attempt(rule, sample, timeout_s)
+                [scored] = await self._attempt(rule, [sample], timeout_s, 0)
+                return _outcome(scored, timeout_s)
+            except _Hung:
+                return Outcome(0.0, f"timed out after {timeout_s}s")
             except _Crashed:
-                raise ActorFailed(
-                    "its pool process died running it alone (os._exit, a segfault, out of memory)"
-                ) from None
+                return _failed(ActorFailed("its pool process died running it alone (os._exit, a segfault, out of memory)"))
+            except Exception as e:
+                return _failed(e)
             finally:
                 for _ in range(held):
                     self._slots.release()
 
-    async def _attempt(self, rule: Rule, sample: ScoreInput, timeout_s: float) -> float:
-        """Run once, again if another call's hang killed the pool; ``_Crashed`` if a process died."""
+    async def _attempt(self, rule: Rule, samples: Sequence[ScoreInput], timeout_s: float, slot: int) -> list[_Scored]:
+        """One call, again if another call's hang killed the pool; ``_Hung`` when a sample
+        runs past its limit (the pool is replaced), ``_Crashed`` if a process died."""
         while True:
             async with self._restart:  # wait out a restart in progress
-                generation, executor = self._generation, self._executor
+                generation, executor, progress = self._generation, self._executor, self._progress
+            progress[2 * slot] = time.monotonic()  # the first sample's limit runs from here
+            progress[2 * slot + 1] = 0
             try:
-                with trace.span("pool_round_trip"):  # the sample pickled out, scored, the score back
-                    future = asyncio.wrap_future(executor.submit(rule, sample))
-                    done, _ = await asyncio.wait({future}, timeout=timeout_s)
-                if not done:
-                    future.cancel()
-                    await self._replace(generation, killed=True)
-                    raise ScorerTimeout(f"timed out after {timeout_s}s")
+                with trace.span("pool_round_trip"):  # the samples pickled out, scored, the scores back
+                    future = asyncio.wrap_future(executor.submit(_score_each, rule, samples, slot))
+                    while not future.done():
+                        left = progress[2 * slot] + timeout_s - time.monotonic()
+                        if left > 0:
+                            await asyncio.wait({future}, timeout=left)
+                            continue
+                        index = min(int(progress[2 * slot + 1]), len(samples) - 1)
+                        future.cancel()
+                        await self._replace(generation, killed=True)
+                        raise _Hung(index)
                 return future.result()
             except BrokenProcessPool:
                 await self._replace(generation, killed=False)
@@ -452,23 +535,26 @@ class ScorerPool:
         _kill(self._executor, wait=True)
 
 
+def _outcome(scored: _Scored, timeout_s: float) -> Outcome:
+    score, failure, detail, seconds = scored
+    if seconds > timeout_s:  # ended past its limit before the pool's owner saw it run on
+        return Outcome(0.0, f"timed out after {timeout_s}s")
+    return Outcome(0.0, failure, detail) if failure else _checked(score)
+
+
+def _failed(e: BaseException) -> Outcome:
+    return Outcome(0.0, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
+
+
 class _PooledRule:
-    """Runs one rule per sample in the shared pool."""
+    """Runs one rule on a batch in the shared pool."""
 
     def __init__(self, rule: Rule, pool: ScorerPool) -> None:
         self._rule = rule
         self._pool = pool
 
     async def score(self, batch: Sequence[ScoreInput], timeout_s: float) -> list[Outcome]:
-        return list(await asyncio.gather(*(self._one(sample, timeout_s) for sample in batch)))
-
-    async def _one(self, sample: ScoreInput, timeout_s: float) -> Outcome:
-        try:
-            return _checked(await self._pool.run(self._rule, sample, timeout_s))
-        except ScorerTimeout as e:
-            return Outcome(0.0, str(e))
-        except Exception as e:  # any error of a scorer is this sample's failure, recorded
-            return Outcome(0.0, f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
+        return await self._pool.score(self._rule, batch, timeout_s)
 
     def close(self) -> None:
         return None

@@ -25,7 +25,7 @@ acknowledged), ``checkpoint``, ``log_step`` (rank 0: the step's report, stats an
 metrics line), ``step`` (one trainer step, end to end), ``wake`` / ``sleep`` (the
 colocated rank's engine given the weights / put away), and the collectives nested in the compute spans: ``all_reduce``, ``all_gather``
 and ``reduce_scatter`` (FSDP2's, traced through its custom-collective hooks); the reward
-scorers' ``pool_round_trip`` (a sample to the process pool and its score back); trainer
+scorers' ``pool_round_trip`` (a call: its samples to a pool process and their scores back); trainer
 ranks' ``checkpoint_write`` (this rank's checkpoint files, in a background thread with
 ``trainer.checkpoint_async``).
 

@@ -81,3 +81,9 @@ def fail_sometimes(prompt: str, completion: str, metadata: dict[str, str]) -> fl
     if completion == "fail":
         return 1 / 0
     return 1.0
+
+
+def sleep_on_request(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    """Sleeps metadata["sleep"] seconds (0 when absent), then 1.0."""
+    time.sleep(float(metadata.get("sleep", "0")))
+    return 1.0

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import reasoning_gym
@@ -38,6 +39,7 @@ from workers.reward.scorers import (
     MathVerify,
     ReasoningGym,
     RewardMix,
+    ScorerPool,
     _ThreadedModel,
     check_custom_scorers,
     final_answer,
@@ -246,6 +248,36 @@ async def test_raising_scorer_records_type_and_message(mixes: list[RewardMix]) -
     assert results[1].reward == 0.0
     assert "exact_match: KeyError:" in results[1].failure and "set answer_key" in results[1].failure
     assert "math: KeyError:" in results[1].failure
+
+
+async def test_a_batch_is_one_call_per_process_and_the_limit_stays_per_sample(
+    mixes: list[RewardMix], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 samples on 2 processes: 2 calls of 4. Two samples of 0.6 s in one call (1.2 s) pass
+    a 1 s limit, each being under it; a sample of 1.5 s in a call fails alone, its neighbours
+    scored in the fresh pool."""
+    calls: list[int] = []
+    attempt = ScorerPool._attempt
+
+    async def counted(self: ScorerPool, rule: Any, samples: Sequence[ScoreInput], timeout_s: float, slot: int) -> Any:
+        calls.append(len(samples))
+        return await attempt(self, rule, samples, timeout_s, slot)
+
+    monkeypatch.setattr(ScorerPool, "_attempt", counted)
+    mix = make(mixes, ScorerConfig(kind="custom", name="slow", function=f"{FIXTURES}:sleep_on_request"), timeout_s=1.0)
+    results = await mix.score([sample(f"Answer: {i}") for i in range(8)])
+    assert sorted(calls) == [4, 4] and [r.reward for r in results] == [1.0] * 8
+
+    calls.clear()
+    results = await mix.score([sample("a", sleep="0.6") for _ in range(4)])
+    assert sorted(calls) == [2, 2]
+    assert [r.failure for r in results] == [""] * 4 and [r.reward for r in results] == [1.0] * 4
+
+    calls.clear()
+    results = await mix.score([sample("a"), sample("b", sleep="1.5"), sample("c"), sample("d")])
+    assert [r.failure for r in results] == ["", "slow: timed out after 1.0s", "", ""]
+    assert [r.reward for r in results] == [1.0, 0.0, 1.0, 1.0]
+    assert sorted(calls)[-2:] == [2, 2] and len(calls) >= 3  # "a" went to the fresh pool again
 
 
 async def test_crashing_scorer_fails_alone(mixes: list[RewardMix]) -> None:

@@ -183,10 +183,10 @@ from benchmarks.jobs import (
 from benchmarks.trl_grpo import TrlSpec
 from launch.config import RunConfig, load_run_config
 from yatt.runtime import run_dir as names
+from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.configtools import build, require
 from yatt.runtime.run_dir import read_jsonl
 
-SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
 Size = Literal["tiny", "smollm2"]
 Layout = Literal["auto", "colocated", "partial", "disaggregated"]
 QUICK: dict[str, object] = {"tiny_steps": 6, "layouts": ["auto"], "repeats": 1}
@@ -261,7 +261,7 @@ class Options:
 def _model_dir(size: Size, scratch: Path) -> Path:
     from workers.models import build_tiny_model, export_smollm2
 
-    return build_tiny_model(scratch / "tiny", seed=0) if size == "tiny" else export_smollm2(SMOLLM2_DIR)
+    return build_tiny_model(scratch / "tiny", seed=0) if size == "tiny" else export_smollm2(smollm2_dir())
 
 
 def compute_dtype_of(cfg: RunConfig) -> str:

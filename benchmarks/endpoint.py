@@ -48,6 +48,7 @@ import torch
 from benchmarks.harness import Result
 from protocols.messages import Completion, Completions, GenerateRequest, GroupKey, SamplingParams
 from yatt.errors import ConfigError
+from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.configtools import build
 
 
@@ -186,12 +187,11 @@ async def measure(opts: Options, model_dir: Path) -> dict[str, list[dict[str, fl
 def run(*, quick: bool = False, options: Mapping[str, object] | None = None) -> Result:
     opts = build(Options, {**(QUICK if quick else {}), **(options or {})})
     torch.set_num_threads(1)
-    from benchmarks.e2e import SMOLLM2_DIR
     from workers.models import build_tiny_model, export_smollm2
 
     result = Result()
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(Path(tmp) / "tiny", seed=0) if opts.model == "tiny" else export_smollm2(SMOLLM2_DIR)
+        model = build_tiny_model(Path(tmp) / "tiny", seed=0) if opts.model == "tiny" else export_smollm2(smollm2_dir())
         runs = asyncio.run(measure(opts, model))
     for mode, rows in runs.items():
         result.figures[f"{mode}_turn_s"] = statistics.median(r["wall_s"] * opts.episodes / r["calls"] for r in rows)

@@ -42,7 +42,7 @@ processes through ``torch.set_num_threads``, vLLM's engine core and worker throu
 its own choice of cores).
 
 Options (``--set KEY=VALUE``, values in YAML): ``models=[tiny,smollm2]`` (default
-``[tiny]``; SmolLM2-135M, exported once into ~/.cache/yatt/smollm2-135m-instruct, adds
+``[tiny]``; SmolLM2-135M, exported once into $YATT_CACHE_DIR/smollm2-135m-instruct (default ~/.cache/yatt), adds
 about 20 minutes on 2 busy cores at 1 thread),
 ``prompts``, ``samples``, ``new_tokens``, ``reps``, ``threads``, ``vllm_enforce_eager``.
 """
@@ -81,10 +81,10 @@ from protocols.messages import (
 )
 from yatt.rl.config import GeneratorConfig
 from yatt.runtime.actor import Client
+from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.configtools import build, require
 from yatt.runtime.transport import Transport, TransportConfig
 
-SMOLLM2_DIR = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
 FIRST_PROMPT_ID = 32  # prompt tokens are drawn above the special tokens of both models
 QUICK: dict[str, object] = {"prompts": 8, "samples": 2, "new_tokens": 16, "reps": 3, "vllm_enforce_eager": True}
 
@@ -439,7 +439,7 @@ def _pair(backend: Backend, model_dir: Path, opts: Options) -> PairRuns:
 def _model_dir(name: str, scratch: Path) -> Path:
     from workers.models import build_tiny_model, export_smollm2
 
-    return build_tiny_model(scratch / "tiny") if name == "tiny" else export_smollm2(SMOLLM2_DIR)
+    return build_tiny_model(scratch / "tiny") if name == "tiny" else export_smollm2(smollm2_dir())
 
 
 def _record(f: dict[str, float], prefix: str, runs: list[Run]) -> float:

@@ -38,6 +38,7 @@ import torch
 
 from benchmarks.harness import Result
 from yatt.errors import ConfigError
+from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.configtools import build
 
 LAYOUTS: dict[str, dict[str, bool]] = {
@@ -51,7 +52,7 @@ LAYOUTS: dict[str, dict[str, bool]] = {
 @dataclass(frozen=True, kw_only=True)
 class Options:
     model: str = "tiny"
-    """tiny (the built-in test model) or smollm2 (SmolLM2-135M, exported once into ~/.cache/yatt)."""
+    """tiny (the built-in test model) or smollm2 (SmolLM2-135M, exported once into $YATT_CACHE_DIR, default ~/.cache/yatt)."""
     groups: int = 4
     """Prompts in the micro-batch."""
     samples: int = 8
@@ -178,9 +179,8 @@ def run(*, quick: bool = False, options: dict[str, object] | None = None) -> Res
         if opts.model == "tiny":
             model_dir = build_tiny_model(Path(tmp) / "tiny", seed=0)
         else:
-            from benchmarks.e2e import SMOLLM2_DIR
 
-            model_dir = export_smollm2(SMOLLM2_DIR)
+            model_dir = export_smollm2(smollm2_dir())
         out = str(Path(tmp) / "figures.pt")
         spawn(_worker, args=(str(model_dir), opts, out), nprocs=1, join=True)  # type: ignore[no-untyped-call]
         figures: dict[str, Any] = torch.load(out)

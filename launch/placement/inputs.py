@@ -32,6 +32,7 @@ from yatt.placement.planner import (
     finish,
 )
 from yatt.runtime import run_dir as names
+from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.dtypes import compute_dtype_name
 from yatt.runtime.run_dir import read_jsonl
 
@@ -220,7 +221,7 @@ def model_config(cfg: RunConfig) -> dict[str, Any]:
     if cfg.model.path == TINY_VLM:
         return dict(TINY_VLM_CONFIG)
     if cfg.model.path == "builtin:smollm2":
-        exported = Path.home() / ".cache" / "yatt" / "smollm2-135m-instruct"
+        exported = smollm2_dir()
         return _read_config_json(str(exported), "model.path") if (exported / "config.json").exists() else dict(SMOLLM2_CONFIG)
     return _read_config_json(cfg.model.path, "model.path")
 

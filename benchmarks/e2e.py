@@ -32,7 +32,19 @@ Both jobs train on the ``digits`` task with its partial-credit reward
 ``unmatchable`` refuses any other reward), whatever task the default job has (since
 2026-12-06 the ``repeated`` task, exact match: from a model without a warm start its reward
 is 0 and nothing is learnt; the e2e figures of 2026-12-06 before this was pinned had yatt at
-0.000 -> 0.000 and are void).
+0.000 -> 0.000 and are void). 30 of its 100 distinct prompts (``HELD_OUT``,
+``data.eval_split``) are held out of both jobs' training since 2026-12-07 (figures before
+trained on all 100).
+
+Held out, one evaluator: each run's final model (yatt's ``final/``, TRL's ``save_model``
+after its last step, both outside the training window) and the initial model answer the
+held-out prompts greedily, through the same transformers ``generate`` in the jobs' compute
+dtype (``heldout_answers``), scored by the same reward: figures ``heldout_reward`` (mean)
+and ``heldout_exact`` (share exactly right), per run and ``<size>_initial_*``; the notes give
+them per repeat. So what each framework learnt is judged on prompts it never trained on, by
+neither framework's own metrics. Time to reward below still follows the training curves
+(held-out answers at the end only: evaluating checkpoints during the runs would add their
+writes to both step times).
 
 Sizes. ``tiny`` (default): the default job of ``launch/default.yaml`` on its tiny model
 (built once with ``build_tiny_model(dir, seed=0)``, as the launcher builds it, and passed
@@ -168,7 +180,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from benchmarks.harness import LinePlot, Result, Series
 from benchmarks.jobs import (
@@ -187,6 +199,9 @@ from yatt.runtime.cache import smollm2_dir
 from yatt.runtime.configtools import build, require
 from yatt.runtime.run_dir import read_jsonl
 
+if TYPE_CHECKING:
+    from yatt.rl.data import Prompt
+
 Size = Literal["tiny", "smollm2"]
 Layout = Literal["auto", "colocated", "partial", "disaggregated"]
 QUICK: dict[str, object] = {"tiny_steps": 6, "layouts": ["auto"], "repeats": 1}
@@ -197,11 +212,14 @@ WARMUP_STEPS = 1
 
 DIGITS = "yatt.rl.tasks:digits_reward"
 """The reward of both jobs (TRL's is ``benchmarks.trl_grpo.reward``, this function)."""
+HELD_OUT = 30
+"""Distinct prompts of the digits task (sums of two digits: 100) held out of both jobs'
+training (``data.eval_split``) and answered greedily by each final model at the end."""
 _BOTH = [  # TRL's job neither evaluates nor warm-starts; both compute in bf16 where the CPU has it
     "run.eval_every=0", "model.warm_start_steps=0", "model.dtype=auto",
     "trainer.world_size=0",  # the plan picks the ranks too: a rank per core or one over every core
     # The digits task and its partial-credit reward, whatever launch/default.yaml's task is.
-    "data.task=digits", "data.eval_split=0", f"reward.scorers=[{{kind: custom, name: digits, function: '{DIGITS}'}}]",
+    "data.task=digits", f"data.eval_split={HELD_OUT}", f"reward.scorers=[{{kind: custom, name: digits, function: '{DIGITS}'}}]",
 ]
 JOBS: dict[Size, list[str]] = {
     "tiny": [
@@ -378,6 +396,9 @@ class Job:
     prompt_tokens: float
     """Mean prompt length of the job's prompt set, in tokens."""
     timeout_s: float
+    held_out: list[Prompt] = field(default_factory=list)
+    """Prompts neither job trains on, which every final model answers (``heldout_rewards``);
+    none: no held-out figures (the vlm job)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,6 +419,8 @@ class Side:
     ``train/prompt_tokens_saved``, trainer.share_prompt; TRL computes every row's prompt)."""
     trained_tokens: float
     """Prompt + completion tokens trained in the steady steps (as in ``train_flops``)."""
+    heldout: list[float] = field(default_factory=list)
+    """The final model's reward on each held-out prompt (``heldout_rewards``)."""
 
     def figures(self, peak_flops: float) -> dict[str, float]:
         """The run's figures, by name without the ``<size>_<framework>_`` prefix."""
@@ -418,7 +441,55 @@ class Side:
             "mfu": achieved / peak_flops,
             "prompt_tokens_saved_per_step": self.prompt_tokens_saved / len(self.train_s),
             "computed_token_share": 1.0 - self.prompt_tokens_saved / self.trained_tokens,
+            **(heldout_figures(self.heldout) if self.heldout else {}),
         }
+
+
+def heldout_answers(model_dir: Path, prompts: Sequence[Prompt], *, max_new_tokens: int, bf16: bool) -> list[str]:
+    """One evaluator for every model, whichever framework trained it: transformers' greedy
+    ``generate`` from each prompt's token ids (left-padded batches of 32), in the jobs'
+    compute dtype, up to ``max_new_tokens``; each completion decoded without special tokens.
+    Prompts in the order given."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
+    model.eval()  # no dropout in greedy decoding
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    answers: list[str] = []
+    for start in range(0, len(prompts), 32):
+        part = prompts[start : start + 32]
+        width = max(len(p.prompt_ids) for p in part)
+        ids = torch.tensor([[pad] * (width - len(p.prompt_ids)) + p.prompt_ids for p in part])
+        mask = torch.tensor([[0] * (width - len(p.prompt_ids)) + [1] * len(p.prompt_ids) for p in part])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+            )
+        answers += [str(tokenizer.decode(row, skip_special_tokens=True)) for row in out[:, width:]]
+    return answers
+
+
+def heldout_rewards(model_dir: Path, prompts: Sequence[Prompt], *, max_new_tokens: int, bf16: bool) -> list[float]:
+    """Each held-out prompt's ``heldout_answers`` scored by the jobs' reward
+    (``digits_reward``: 1.0 exactly right, partial credit below)."""
+    from yatt.rl.tasks import digits_reward
+
+    answers = heldout_answers(model_dir, prompts, max_new_tokens=max_new_tokens, bf16=bf16)
+    return [digits_reward(p.text, answer, p.metadata) for p, answer in zip(prompts, answers, strict=True)]
+
+
+def heldout_figures(rewards: Sequence[float]) -> dict[str, float]:
+    """``heldout_reward`` (the mean) and ``heldout_exact`` (the share answered exactly)."""
+    return {"heldout_reward": statistics.fmean(rewards), "heldout_exact": sum(r == 1.0 for r in rewards) / len(rewards)}
+
+
+def _with_heldout(side: Side, job: Job, model_dir: Path) -> Side:
+    if not job.held_out:
+        return side
+    rewards = heldout_rewards(model_dir, job.held_out, max_new_tokens=job.spec.max_new_tokens, bf16=job.spec.bf16)
+    return replace(side, heldout=rewards)
 
 
 def _side(job: Job, metrics: list[dict[str, float]], measured: Monitored, what: str) -> Side:
@@ -442,10 +513,13 @@ def _side(job: Job, metrics: list[dict[str, float]], measured: Monitored, what: 
 
 def _job(size: Size, steps: int, opts: Options, scratch: Path) -> Job:
     from yatt.placement.costs import hf_param_count
+    from yatt.rl.data import load_prompt_sets
 
     model_dir = _model_dir(size, scratch)
     overrides = [f"model.path={model_dir}", f"run.steps={steps}", *JOBS[size], *opts.overrides]
-    spec, prompt_tokens = _trl_spec(load_run_config(None, overrides), model_dir, opts.trl_threads)
+    cfg = load_run_config(None, overrides)
+    spec, prompt_tokens = _trl_spec(cfg, model_dir, opts.trl_threads)
+    _, held_out = load_prompt_sets(cfg.data, str(model_dir))
     per_step = 60.0 if size == "tiny" else 300.0
     return Job(
         size=size,
@@ -454,6 +528,7 @@ def _job(size: Size, steps: int, opts: Options, scratch: Path) -> Job:
         params=hf_param_count(json.loads((model_dir / "config.json").read_text())),
         prompt_tokens=prompt_tokens,
         timeout_s=600.0 + per_step * steps,
+        held_out=held_out,
     )
 
 
@@ -464,7 +539,7 @@ def _run_yatt(job: Job, layout: Layout, run_dir: Path, *, seed: int) -> tuple[Si
         started_unix=run.started_unix, wall_s=run.wall_s, peak_memory_mb=run.peak_memory_mb,
         memory_samples=run.memory_samples,
     )
-    side = _side(job, run.metrics, measured, f"yatt {layout}")
+    side = _with_heldout(_side(job, run.metrics, measured, f"yatt {layout}"), job, run_dir / "final")
     plan = json.loads((run_dir / names.PLAN).read_text())
     ranks = sum(a["role"] == "trainer" for a in plan["assignments"])
     return side, f"{plan['layout']} ({ranks} trainer rank{'s' if ranks > 1 else ''})"
@@ -472,10 +547,10 @@ def _run_yatt(job: Job, layout: Layout, run_dir: Path, *, seed: int) -> tuple[Si
 
 def _run_trl(job: Job, out: Path, *, seed: int) -> Side:
     out.mkdir()
-    replace(job.spec, seed=seed).dump(out / "spec.json")
+    replace(job.spec, seed=seed, save_final=bool(job.held_out)).dump(out / "spec.json")
     cmd = [sys.executable, "-m", "benchmarks.trl_grpo", str(out / "spec.json"), str(out)]
     measured = run_monitored(cmd, out / "trl.log", timeout_s=job.timeout_s, what=f"TRL job ({job.size})")
-    return _side(job, read_jsonl(out / names.METRICS), measured, "TRL")
+    return _with_heldout(_side(job, read_jsonl(out / names.METRICS), measured, "TRL"), job, out / "final")
 
 
 def _time_to_reward_ratio(yatt: Side, trl: Side) -> float | None:
@@ -511,9 +586,27 @@ def measure(job: Job, opts: Options, scratch: Path, peak_flops: float, result: R
         per_run = [side.figures(peak_flops) for side in sides]
         for figure in per_run[0]:
             result.figures[f"{size}_{key}_{figure}"] = statistics.median(run[figure] for run in per_run)
+    if job.held_out:
+        initial = heldout_rewards(
+            Path(job.spec.model_dir), job.held_out, max_new_tokens=job.spec.max_new_tokens, bf16=job.spec.bf16
+        )
+        for figure, value in heldout_figures(initial).items():
+            result.figures[f"{size}_initial_{figure}"] = value
     for layout, sides in yatt.items():
         pairs = list(zip(sides, trl, strict=True))
         reached = [_time_to_reward_ratio(y, t) for y, t in pairs]
+        if job.held_out:
+            result.notes.append(
+                f"{size} {layout}: held-out reward (exact share) per repeat, yatt vs TRL, from "
+                f"{result.figures[f'{size}_initial_heldout_reward']:.3f} "
+                f"({result.figures[f'{size}_initial_heldout_exact']:.2f}) before training, on {len(job.held_out)} "
+                "prompts neither trained on: " + ", ".join(
+                    "{:.3f} ({:.2f}) vs {:.3f} ({:.2f})".format(
+                        *heldout_figures(y.heldout).values(), *heldout_figures(t.heldout).values()
+                    )
+                    for y, t in pairs
+                )
+            )
         missed = sum(ratio is None for ratio in reached)
         result.notes.append(
             f"{size} {layout}: time to TRL's final reward vs TRL per repeat (seed r = repeat r): "

@@ -90,6 +90,9 @@ class TrlSpec:
     redraws its pictures (``Task.images``); ``prompts`` are then the question texts, which
     TRL gets as a user message of an image part and the text, with the model's processor
     (``processing_class``), as its VLM recipes have them."""
+    save_final: bool = False
+    """Save the trained model (and tokenizer) into OUT_DIR/final after the last step, as
+    yatt's run writes its final/ (benchmarks/e2e.py evaluates both on held-out prompts)."""
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -240,6 +243,8 @@ def train(spec: TrlSpec, out_dir: Path) -> None:
         callbacks=[StepMetrics()],
     )
     trainer.train()
+    if spec.save_final:
+        trainer.save_model(str(out_dir / "final"))
 
 
 def main(argv: list[str]) -> int:

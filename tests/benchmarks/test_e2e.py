@@ -5,6 +5,7 @@ bad ``--set`` options refused by field name."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -13,11 +14,20 @@ from typing import Any
 import pytest
 
 from benchmarks.__main__ import main
-from benchmarks.e2e import JOBS, _trl_spec, training_flops, unmatchable
+from benchmarks.e2e import (
+    HELD_OUT,
+    JOBS,
+    _trl_spec,
+    heldout_answers,
+    heldout_figures,
+    training_flops,
+    unmatchable,
+)
 from benchmarks.jobs import moving_average, reward_at, run_monitored, time_to_reward, training
 from launch.config import load_run_config
 from launch.placement.inputs import compute_dtype
 from tests.benchmarks.test_benchmarks import run_quick
+from yatt.rl.data import load_prompt_sets
 
 # ---------------------------------------------------------------- pure functions
 
@@ -98,6 +108,20 @@ def test_the_trl_job_computes_in_yatt_s_dtype(tiny_model_dir: Path) -> None:
     assert problem.startswith("reward.scorers = [('custom', 'yatt.rl.tasks:repeated_reward', 1.0)] (TRL job needs")
 
 
+def test_the_heldout_evaluator_answers_each_prompt_as_it_would_alone(tiny_model_dir: Path) -> None:
+    """Both jobs hold out the same prompts; the evaluator's left-padded batches give every
+    prompt the greedy answer it gets in a batch of its own."""
+    cfg = load_run_config(None, [f"model.path={tiny_model_dir}", *JOBS["tiny"]])
+    train, held = load_prompt_sets(cfg.data, str(tiny_model_dir))
+    assert len(held) == HELD_OUT and not {tuple(p.prompt_ids) for p in held} & {tuple(p.prompt_ids) for p in train}
+    # Prompts of 13 to 17 tokens (the first token repeated), so the batch pads most of them.
+    varied = [dataclasses.replace(p, prompt_ids=p.prompt_ids[:1] * (i % 5) + p.prompt_ids) for i, p in enumerate(held[:10])]
+    batched = heldout_answers(tiny_model_dir, varied, max_new_tokens=8, bf16=False)
+    alone = [heldout_answers(tiny_model_dir, [p], max_new_tokens=8, bf16=False)[0] for p in varied]
+    assert batched == alone and len(set(batched)) > 1  # the untrained model's answers differ by prompt
+    assert heldout_figures([1.0, 0.6, 0.0, 1.0]) == {"heldout_reward": pytest.approx(0.65), "heldout_exact": 0.5}
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -154,8 +178,14 @@ def test_e2e_quick_measures_both_frameworks(tmp_path: Path) -> None:
     names += ["train_s_median", "train_gflops_per_s", "mfu"]
     rewards = ["reward_first3", "reward_last3"]
     shared = ["prompt_tokens_saved_per_step", "computed_token_share"]
+    heldout = ["heldout_reward", "heldout_exact"]  # each final model, and the initial one, on the held-out prompts
     sides = ("yatt_auto", "trl")
-    assert set(figures) == {"peak_gflops"} | {f"tiny_{side}_{n}" for side in sides for n in names + rewards + shared}
+    assert set(figures) == {"peak_gflops"} | {f"tiny_{side}_{n}" for side in (*sides, "initial") for n in heldout} | {
+        f"tiny_{side}_{n}" for side in sides for n in names + rewards + shared
+    }
+    for side in (*sides, "initial"):
+        assert 0 <= figures[f"tiny_{side}_heldout_exact"] <= figures[f"tiny_{side}_heldout_reward"] <= 1
+    assert any(note.startswith("tiny auto: held-out reward (exact share) per repeat") for note in data["notes"])
     # TRL computes every row's prompt; yatt computes each group's once where that pays.
     assert figures["tiny_trl_prompt_tokens_saved_per_step"] == 0 and figures["tiny_trl_computed_token_share"] == 1
     assert 0 < figures["tiny_yatt_auto_computed_token_share"] <= 1

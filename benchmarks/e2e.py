@@ -452,7 +452,9 @@ def heldout_answers(model_dir: Path, prompts: Sequence[Prompt], *, max_new_token
     Prompts in the order given."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (the benchmark's output stays its own lines)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
     model.eval()  # no dropout in greedy decoding
